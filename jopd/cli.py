@@ -1,0 +1,40 @@
+"""`jopd <command> ...`: each command lives in `jopd/commands/<name>.py` with `add_arguments(parser)` and
+`run(args) -> int`; this file only discovers and dispatches them (so commands stay independent)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import jopd.commands
+
+
+def _command_modules() -> dict[str, object]:
+    names = sorted(m.name for m in pkgutil.iter_modules(jopd.commands.__path__) if not m.name.startswith("_"))
+    return {n: importlib.import_module(f"jopd.commands.{n}") for n in names}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jopd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, mod in _command_modules().items():
+        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None,
+                           description=mod.__doc__)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as e:  # bad input: one clear line, no traceback
+        print(f"jopd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""CLI commands, one module each (discovered by `jopd.cli`)."""

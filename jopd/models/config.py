@@ -1,0 +1,148 @@
+"""Architecture config of a decoder-only transformer, and its mapping to/from HF `config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+Family = Literal["llama", "qwen2", "qwen3"]
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hashable (usable as a jit static argument) description of one model."""
+
+    family: Family = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64  # D
+    intermediate_size: int = 128  # F (SwiGLU width)
+    num_layers: int = 2  # L
+    num_heads: int = 4  # H
+    num_kv_heads: int = 2  # K (GQA groups: H // K)
+    head_dim: int = 16  # Dh
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias=True)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.family not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"ModelConfig.family={self.family!r} is not one of {SUPPORTED_MODEL_TYPES}")
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    # ---- HF config.json ----
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type={model_type!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act={hf.get('hidden_act')!r} is not supported (only 'silu')")
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        rope_scaling = None
+        rs = hf.get("rope_scaling") or {}
+        rope_params = hf.get("rope_parameters") or {}
+        rope_type = rs.get("rope_type", rs.get("type")) or rope_params.get("rope_type")
+        src = rs or rope_params
+        if rope_type == "llama3":
+            rope_scaling = RopeScaling(
+                factor=float(src["factor"]), low_freq_factor=float(src["low_freq_factor"]),
+                high_freq_factor=float(src["high_freq_factor"]),
+                original_max_position_embeddings=int(src["original_max_position_embeddings"]))
+        elif rope_type not in (None, "default"):
+            raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported (default, llama3)")
+        theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = tuple(eos)
+        return cls(
+            family=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rope_theta=float(theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type != "llama")),
+            qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
+            qk_norm=(model_type == "qwen3"),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        out: dict[str, Any] = {
+            "architectures": [arch[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": "float32",
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.family == "llama":
+            out["attention_bias"] = self.qkv_bias
+            out["mlp_bias"] = False
+        if self.family == "qwen2":
+            out["use_sliding_window"] = False
+        for k in ("bos_token_id", "pad_token_id"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        if self.eos_token_id is not None:
+            out["eos_token_id"] = (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+                                   else self.eos_token_id)
+        return out

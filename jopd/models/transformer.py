@@ -1,0 +1,288 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3) as pure functions over a params pytree.
+
+One forward implementation serves the trainer (full sequences), the teacher (scoring) and the sampler
+(prefill + KV-cache decode). Layers are stacked on a leading `L` axis and run with `lax.scan`, so compile
+time does not grow with depth. `Transformer` (Flax NNX) is a thin stateful wrapper over the same functions.
+
+Params layout (shape suffixes: V vocab, D hidden, L layers, H heads, K kv heads, Dh head dim, F mlp):
+  embed_VxD, final_norm_D, lm_head_DxV (absent when tied), layers/{attn_norm_LxD, q_LxDxHxDh,
+  k_LxDxKxDh, v_LxDxKxDh, o_LxHxDhxD, [q_bias_LxHxDh, k_bias_LxKxDh, v_bias_LxKxDh],
+  [q_norm_LxDh, k_norm_LxDh], mlp_norm_LxD, gate_LxDxF, up_LxDxF, down_LxFxD}.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from jopd.models.config import ModelConfig
+
+Params = dict[str, Any]
+KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,Dh], "v": [L,B,S,K,Dh]}
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """Shape and logical axis names of every parameter (the single source of the params layout)."""
+    L, D, H, K, Dh, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+    layers = {
+        "attn_norm": ((L, D), ("layers", "embed")),
+        "q": ((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
+        "k": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "v": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "o": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
+        "mlp_norm": ((L, D), ("layers", "embed")),
+        "gate": ((L, D, F), ("layers", "embed", "mlp")),
+        "up": ((L, D, F), ("layers", "embed", "mlp")),
+        "down": ((L, F, D), ("layers", "mlp", "embed")),
+    }
+    if cfg.qkv_bias:
+        layers["q_bias"] = ((L, H, Dh), ("layers", "heads", "head_dim"))
+        layers["k_bias"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+        layers["v_bias"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+    if cfg.qk_norm:
+        layers["q_norm"] = ((L, Dh), ("layers", "head_dim"))
+        layers["k_norm"] = ((L, Dh), ("layers", "head_dim"))
+    out: dict[str, Any] = {
+        "embed": ((V, D), ("vocab", "embed")),
+        "final_norm": ((D,), ("embed",)),
+        "layers": layers,
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ((D, V), ("embed", "vocab"))
+    return out
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def param_logical_axes(cfg: ModelConfig) -> Params:
+    """Pytree matching the params whose leaves are tuples of logical axis names (for mesh rules)."""
+    return jax.tree.map(lambda s: s[1], param_shapes(cfg), is_leaf=_is_spec)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> Params:
+    """`jax.ShapeDtypeStruct` pytree of the params (for AOT lowering and checkpoint restore)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], dtype), param_shapes(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random init: N(0, 0.02) matrices, zero biases, unit norms (the HF convention)."""
+    specs = param_shapes(cfg)
+    flat, treedef = jax.tree.flatten_with_path(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, (shape, _)), k in zip(flat, keys):
+        name = path[-1].key
+        if name.endswith("norm"):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name.endswith("bias"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+
+
+def rms_norm(x: Float[Array, "... D"], w: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
+    """RMSNorm computed in fp32 and cast back to the input dtype (as the HF reference does)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [Dh/2] (float64 host math, like the reference), with llama3 scaling if set."""
+    dh = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / dh))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(is_medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x_BxTxNxDh: jax.Array, positions_BxT: Int[Array, "B T"], inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (HF layout: first half / second half of the head dim)."""
+    angles = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # B,T,Dh/2
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x_BxTxNxDh.dtype)
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x_BxTxNxDh.dtype)
+    half = x_BxTxNxDh.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxTxNxDh[..., half:], x_BxTxNxDh[..., :half]], -1)
+    return x_BxTxNxDh * cos + rotated * sin
+
+
+def _precision(dtype) -> jax.lax.Precision:
+    # fp32 compute means fp32 matmuls also on TPU (whose default is bf16 passes); lower dtypes use DEFAULT.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, dtype):
+    B, T, H, Dh = q_BxTxHxDh.shape
+    K = k_BxSxKxDh.shape[2]
+    q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
+    prec = _precision(dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh, precision=prec).astype(jnp.float32)
+    scores = scores / math.sqrt(Dh)
+    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh, precision=prec)
+    return out.reshape(B, T, H, Dh)
+
+
+def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cache, v_cache, write_index,
+           mask_BxTxS, dtype):
+    """One block. With a cache, new K/V are written at `write_index` and attention reads the whole cache."""
+    prec = _precision(dtype)
+    w = lambda name: lp[name].astype(dtype)  # noqa: E731
+    h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dhe->bthe", h, w("q"), precision=prec)
+    k = jnp.einsum("btd,dke->btke", h, w("k"), precision=prec)
+    v = jnp.einsum("btd,dke->btke", h, w("v"), precision=prec)
+    if cfg.qkv_bias:
+        q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions_BxT, inv_freq)
+    k = apply_rope(k, positions_BxT, inv_freq)
+    if k_cache is not None:
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
+        k_all, v_all = k_cache.astype(dtype), v_cache.astype(dtype)
+    else:
+        k_all, v_all = k, v
+    attn = _attention(q, k_all, v_all, mask_BxTxS, dtype)
+    x = x_BxTxD + jnp.einsum("bthe,hed->btd", attn, w("o"), precision=prec)
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, w("gate"), precision=prec)
+    up = jnp.einsum("btd,df->btf", h, w("up"), precision=prec)
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down"), precision=prec)
+    return x, k_cache, v_cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def lm_head_DxV(params: Params) -> jax.Array:
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
+def logits_from_hidden(params: Params, hidden_BxTxD: jax.Array, *, dtype=jnp.float32,
+                       logits_dtype=jnp.float32) -> Float[Array, "B T V"]:
+    """Final projection; split out so losses can project in chunks over T (no full [B,T,V] kept)."""
+    out = jnp.einsum("btd,dv->btv", hidden_BxTxD.astype(dtype), lm_head_DxV(params).astype(dtype),
+                     precision=_precision(dtype))
+    return out.astype(logits_dtype)
+
+
+def positions_from_mask(attn_mask_BxT: jax.Array) -> jax.Array:
+    """RoPE positions for left- or right-padded rows: count of real tokens before each position."""
+    m = attn_mask_BxT.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
+
+
+def forward(
+    params: Params,
+    tokens_BxT: Int[Array, "B T"],
+    *,
+    cfg: ModelConfig,
+    attn_mask_BxT: Bool[Array, "B T"] | None = None,
+    positions_BxT: Int[Array, "B T"] | None = None,
+    cache: KVCache | None = None,
+    cache_index: Int[Array, ""] | int = 0,
+    kv_mask_BxS: Bool[Array, "B S"] | None = None,
+    dtype=jnp.float32,
+    logits_dtype=jnp.float32,
+    return_hidden: bool = False,
+) -> tuple[jax.Array, KVCache | None]:
+    """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None).
+
+    Without a cache, token i attends to tokens j <= i with `attn_mask_BxT[j]` set (padding on either side).
+    With a cache of S slots, the T new tokens occupy slots [cache_index, cache_index + T) and attend to
+    slots j <= their own where `kv_mask_BxS[j]` is set (the caller marks real tokens, the new ones included).
+    Positions default to `positions_from_mask(attn_mask)` (or 0..T-1 without a mask).
+    """
+    B, T = tokens_BxT.shape
+    if attn_mask_BxT is None:
+        attn_mask_BxT = jnp.ones((B, T), bool)
+    if positions_BxT is None:
+        positions_BxT = positions_from_mask(attn_mask_BxT)
+    inv_freq = rope_inv_freq(cfg)
+    x = params["embed"].astype(dtype)[tokens_BxT]
+    if cache is None:
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        mask = causal[None] & attn_mask_BxT[:, None, :].astype(bool)
+    else:
+        S = cache["k"].shape[2]
+        if kv_mask_BxS is None:
+            kv_mask_BxS = jnp.ones((B, S), bool)
+        q_slot = cache_index + jnp.arange(T)
+        mask = (jnp.arange(S)[None, :] <= q_slot[:, None])[None] & kv_mask_BxS[:, None, :].astype(bool)
+
+    def body(carry, layer):
+        x, kc, vc = carry
+        lp, i = layer
+        if kc is None:
+            x, _, _ = _layer(cfg, lp, x, positions_BxT, inv_freq, None, None, 0, mask, dtype)
+            return (x, None, None), None
+        k_l = jax.lax.dynamic_index_in_dim(kc, i, 0, keepdims=False)
+        v_l = jax.lax.dynamic_index_in_dim(vc, i, 0, keepdims=False)
+        x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, mask, dtype)
+        # Write back only the T new slots so the [L,B,S,K,Dh] carry is updated in place.
+        new_k = jax.lax.dynamic_slice_in_dim(k_l, cache_index, T, axis=1)
+        new_v = jax.lax.dynamic_slice_in_dim(v_l, cache_index, T, axis=1)
+        kc = jax.lax.dynamic_update_slice(kc, new_k[None], (i, 0, cache_index, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, new_v[None], (i, 0, cache_index, 0, 0))
+        return (x, kc, vc), None
+
+    kc = cache["k"] if cache is not None else None
+    vc = cache["v"] if cache is not None else None
+    (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (params["layers"], jnp.arange(cfg.num_layers)))
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    new_cache = None if cache is None else {"k": kc, "v": vc}
+    if return_hidden:
+        return hidden, new_cache
+    return logits_from_hidden(params, hidden, dtype=dtype, logits_dtype=logits_dtype), new_cache
+
+
+class Transformer(nnx.Module):
+    """Flax NNX wrapper: holds the params as `nnx.Param`s and calls the pure `forward`.
+
+    `nnx.split(model)` gives (graphdef, state); `params_of(model)` gives the plain pytree that the sampler,
+    the trainer and the checkpoint code pass around.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
+                 params: Params | None = None):
+        self.cfg = cfg
+        self.dtype = dtype
+        p = params if params is not None else init_params(cfg, rngs.params(), param_dtype)
+        self.weights = nnx.data(jax.tree.map(nnx.Param, p))
+
+    def __call__(self, tokens_BxT, **kwargs):
+        kwargs.setdefault("dtype", self.dtype)
+        return forward(params_of(self), tokens_BxT, cfg=self.cfg, **kwargs)
+
+
+def params_of(model: Transformer) -> Params:
+    return jax.tree.map(lambda v: v[...], model.weights, is_leaf=lambda v: isinstance(v, nnx.Variable))
