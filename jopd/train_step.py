@@ -1,0 +1,78 @@
+"""Train state and the pure update step `train_step(state, batch) -> (state, metrics)`.
+
+The step is generic in the objective: `loss_fn(params, microbatch) -> (loss, metrics)`. Gradient accumulation
+scans over micro-batches inside the step, so one jitted call = one optimizer update whatever the accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+Params = Any
+Batch = dict[str, jax.Array]
+LossFn = Callable[[Params, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Params
+    opt_state: optax.OptState
+    rng: jax.Array  # typed PRNG key; split per step for sampling / noise
+
+
+def init_train_state(params: Params, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    # jit so the optimizer moments inherit the params' shardings instead of landing on one device.
+    opt_state = jax.jit(optimizer.init)(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=rng)
+
+
+def _split_microbatches(batch: Batch, n: int) -> Batch:
+    def split(x):
+        if x.shape[0] % n:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by grad_accum_steps={n}")
+        return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
+                    grad_accum_steps: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """Builds the pure step. Metrics are averaged over micro-batches; `grad_norm` is of the mean gradient."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch: Batch):
+        if grad_accum_steps == 1:
+            (loss, metrics), grads = grad_fn(state.params, batch)
+        else:
+            micro = _split_microbatches(batch, grad_accum_steps)
+
+            def accumulate(acc, mb):
+                (loss, metrics), grads = grad_fn(state.params, mb)
+                return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, first))
+            zeros = (zeros[0][0], zeros[0][1], zeros[1])
+            (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            inv = 1.0 / grad_accum_steps
+            loss, metrics, grads = jax.tree.map(lambda x: x * inv, (loss, metrics, grads))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
+                       update_norm=optax.global_norm(updates))
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return step
+
+
+def jit_train_step(step_fn, state_shardings=None, batch_shardings=None):
+    """jit once with explicit shardings (pjit's modern form); the old state's buffers are donated."""
+    if state_shardings is None:
+        return jax.jit(step_fn, donate_argnums=0)
+    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
