@@ -13,6 +13,7 @@ disjoint by their arithmetic (the expression, whatever the wording), not only by
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import overload
 
@@ -91,8 +92,9 @@ def _problem(question: str, solution: str, answer: str, where: str) -> Problem:
 
 
 
-def _heldout_draws(cfg: ArithmeticConfig) -> list[tuple[str, str, str, str]]:
-    """The held-out draws in order, first occurrence of each expression kept."""
+@functools.lru_cache(maxsize=8)
+def _heldout_draws(cfg: ArithmeticConfig) -> tuple[tuple[str, str, str, str], ...]:
+    """The held-out draws in order, first occurrence of each expression kept (cached: configs are frozen)."""
     seen: set[str] = set()
     out = []
     index, misses = 0, 0
@@ -108,7 +110,7 @@ def _heldout_draws(cfg: ArithmeticConfig) -> list[tuple[str, str, str, str]]:
             out.append(draw)
             misses = 0
         index += 1
-    return out
+    return tuple(out)
 
 
 def heldout_problems(cfg: ArithmeticConfig) -> list[Problem]:

@@ -43,7 +43,7 @@ from jopd.data.problem import Problem
 Kind = Literal["prompt", "sft"]
 Split = Literal["train", "heldout"]
 Batch = dict[str, np.ndarray]
-_LAZY_PRECHECK = 512
+_LAZY_PRECHECK = 256
 
 
 @config_dataclass
