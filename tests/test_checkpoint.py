@@ -4,6 +4,7 @@ async safety, and a SIGTERM-preempted subprocess that saves, exits 0 and resumes
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def _assert_bit_identical(a, b):
 
 def _train_state(mesh):
     rng = np.random.default_rng(0)
-    params = {"embed": jax.device_put(rng.standard_normal((16, 8), np.float32), NamedSharding(mesh, P("data", "model"))),
+    embed = rng.standard_normal((16, 8), np.float32)
+    params = {"embed": jax.device_put(embed, NamedSharding(mesh, P("data", "model"))),
               "scale": jax.device_put(np.ones((8,), jnp.bfloat16), NamedSharding(mesh, P()))}
     opt = optax.adamw(1e-3)
 
@@ -171,3 +173,31 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
     # Params and data order after preempt + resume equal an uninterrupted run, bit for bit.
     expected = np.asarray(_load_loop().run_uninterrupted(total)["w"])
     assert np.load(tmp_path / "b.npy").tobytes() == expected.tobytes()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_multiprocess_sigterm_on_one_host_stops_every_host_at_the_same_step():
+    """jax.distributed with 2 CPU processes: SIGTERM to process 1 only -> both leave the loop at one step."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    script, port = str(REPO / "tests" / "preemption_multiprocess.py"), str(_free_port())
+    procs = [subprocess.Popen([sys.executable, script, str(i), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env) for i in range(2)]
+    try:
+        for line in procs[1].stdout:
+            if line.startswith("step "):  # both are inside the guard and stepping together
+                procs[1].send_signal(signal.SIGTERM)
+                break
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    exits = [out.strip().splitlines()[-1] for out in outputs]
+    assert exits[0] == exits[1] and exits[0].startswith("exit ")

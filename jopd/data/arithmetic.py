@@ -38,7 +38,7 @@ class ArithmeticConfig:
     min_steps: int = pydantic.Field(1, ge=1)  # fewest operations per problem
     max_steps: int = pydantic.Field(3, ge=1, le=6)  # most operations per problem (the difficulty knob)
     max_number: int = pydantic.Field(20, ge=2)  # added/subtracted amounts and starting counts lie in [1, max_number]
-    max_factor: int = pydantic.Field(3, ge=2, le=9)  # multipliers lie in [2, max_factor] ("doubles", "triples" <= 3)
+    max_factor: int = pydantic.Field(3, ge=2, le=9)  # "N bags of": N in [2, max_factor]; doubles/triples if <= it
     train_size: int = pydantic.Field(1_000_000, ge=1)  # virtual train stream length before an epoch wraps
     heldout_size: int = pydantic.Field(530, ge=1)  # size of the fixed held-out split
 
@@ -87,11 +87,6 @@ def _draw(cfg: ArithmeticConfig, rng: np.random.Generator) -> tuple[str, str, st
     return question, solution, str(value), expr
 
 
-def _problem(question: str, solution: str, answer: str, where: str) -> Problem:
-    return Problem(question=question, solution=solution, answer=answer, where=where)
-
-
-
 @functools.lru_cache(maxsize=8)
 def _heldout_draws(cfg: ArithmeticConfig) -> tuple[tuple[str, str, str, str], ...]:
     """The held-out draws in order, first occurrence of each expression kept (cached: configs are frozen)."""
@@ -115,7 +110,7 @@ def _heldout_draws(cfg: ArithmeticConfig) -> tuple[tuple[str, str, str, str], ..
 
 def heldout_problems(cfg: ArithmeticConfig) -> list[Problem]:
     """The fixed held-out split: `cfg.heldout_size` problems with distinct expressions, never in train."""
-    return [_problem(q, s, a, f"arithmetic heldout #{i}") for i, (q, s, a, _) in enumerate(_heldout_draws(cfg))]
+    return [Problem(q, s, a, f"arithmetic heldout #{i}") for i, (q, s, a, _) in enumerate(_heldout_draws(cfg))]
 
 
 class ArithmeticTrain(Sequence[Problem]):
@@ -142,6 +137,6 @@ class ArithmeticTrain(Sequence[Problem]):
         for attempt in range(_MAX_ATTEMPTS):
             q, s, a, expr = _draw(self.cfg, _rng(self.cfg, _TRAIN, index, attempt))
             if expr not in self._heldout:
-                return _problem(q, s, a, f"arithmetic train #{index}")
+                return Problem(q, s, a, f"arithmetic train #{index}")
         raise ValueError(f"ArithmeticConfig: train problem {index} collides with the held-out split "
                          f"{_MAX_ATTEMPTS} times; the difficulty leaves too few distinct problems")
