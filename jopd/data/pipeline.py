@@ -1,0 +1,193 @@
+"""Grain pipelines: batches of chat-formatted prompts (OPD, eval) and prompt + worked solution (SFT warm starts).
+
+Train: problem ids -> this process's shard (`ids[process_index::process_count]`) -> seeded global shuffle,
+reshuffled every epoch -> repeat forever -> encode -> batch (drop remainder) -> iterator. The iterator is a
+`grain.DatasetIterator`: its position is saved with `grain.checkpoint.CheckpointSave` beside the train state
+(see `jopd.checkpoint`) and a restored iterator continues with the next batch.
+
+Held-out: fixed order, padded with copies of the last problem (`valid` False) to a multiple of the global eval
+batch, then sharded the same way, so every process sees the same number of batches.
+
+Every batch is a dict of numpy arrays (B = per-process batch, P = max_prompt_len, R = max_response_len):
+  prompt_tokens [B,P] int32   chat-formatted prompt, LEFT-padded with the pad id (ends at column P-1)
+  prompt_mask   [B,P] int32   1 on prompt tokens, 0 on padding
+  prompt_len    [B]   int32   number of prompt tokens
+  index         [B]   int64   problem id within its split (pairs runs per held-out problem)
+  valid         [B]   bool    False only on held-out padding rows
+  question      [B]   str     raw question text
+  answer        [B]   str     reference final answer (bare number; check with `answers.is_correct`)
+SFT batches (kind="sft") add, in the layout an OPD rollout has (prompt in columns [0,P), response after it):
+  tokens        [B,P+R] int32 left-padded prompt, then the response (solution + end-of-turn), right-padded
+  attn_mask     [B,P+R] int32 1 on real tokens
+  loss_mask     [B,P+R] int32 1 on response tokens: the targets. Position t predicts tokens[t+1], so a
+                              trainer weighs logits[:, :-1] against tokens[:, 1:] with loss_mask[:, 1:].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import grain
+import jax
+import numpy as np
+import pydantic
+from transformers import PreTrainedTokenizerBase
+
+from jopd.configlib import config_dataclass
+from jopd.data.arithmetic import ArithmeticConfig, ArithmeticTrain, heldout_problems
+from jopd.data.chat import prompt_ids, prompt_response_ids
+from jopd.data.math_jsonl import load_math_jsonl
+from jopd.data.problem import Problem
+
+Kind = Literal["prompt", "sft"]
+Split = Literal["train", "heldout"]
+Batch = dict[str, np.ndarray]
+_LAZY_PRECHECK = 256
+
+
+@config_dataclass
+class DataConfig:
+    task: Literal["arithmetic", "jsonl"] = "arithmetic"  # built-in synthetic task or JSONL math files
+    arithmetic: ArithmeticConfig = ArithmeticConfig()  # generator settings (task=arithmetic)
+    train_path: str | None = None  # JSONL train problems (task=jsonl)
+    heldout_path: str | None = None  # JSONL held-out problems (task=jsonl)
+    batch_size: int = pydantic.Field(16, ge=1)  # global prompts per train batch, split over processes
+    eval_batch_size: int = pydantic.Field(64, ge=1)  # global prompts per held-out batch
+    max_prompt_len: int = pydantic.Field(80, ge=1)  # P: chat-formatted prompt tokens; longer -> error
+    max_response_len: int = pydantic.Field(48, ge=1)  # R: SFT response tokens (solution + end); longer -> error
+    system_prompt: str | None = None  # optional system turn before every question
+    seed: int = 0  # shuffle seed (the problems themselves come from `arithmetic.seed` or the files)
+    num_threads: int = pydantic.Field(0, ge=0)  # grain read threads; 0 reads in the caller's thread
+    prefetch_buffer_size: int = pydantic.Field(0, ge=0)  # grain prefetch buffer (elements); 0 disables
+
+    def __post_init__(self):
+        if self.task == "jsonl" and not self.train_path:
+            raise ValueError("task=jsonl needs train_path")
+
+
+def load_problems(cfg: DataConfig, split: Split) -> Sequence[Problem]:
+    """The problems of a split; the arithmetic train split is a lazy 'stream' indexed by problem id."""
+    if cfg.task == "arithmetic":
+        return ArithmeticTrain(cfg.arithmetic) if split == "train" else heldout_problems(cfg.arithmetic)
+    path = cfg.train_path if split == "train" else cfg.heldout_path
+    if not path:
+        raise ValueError(f"DataConfig.{split}_path: not set (task=jsonl has no {split} split without it)")
+    return load_math_jsonl(path)
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id)
+
+
+def _too_long(problem: Problem, field: str, n: int, limit_name: str, limit: int) -> ValueError:
+    return ValueError(f"{problem.where} ({field}): {n} tokens after chat formatting > DataConfig.{limit_name}"
+                      f"={limit}")
+
+
+def encode_problem(problem: Problem, index: int, *, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
+                   kind: Kind, valid: bool = True) -> dict[str, Any]:
+    """One problem -> one (unbatched) element of the batch layout documented in this module."""
+    P, R, pad = cfg.max_prompt_len, cfg.max_response_len, _pad_id(tokenizer)
+    if kind == "sft":
+        prompt, response = prompt_response_ids(tokenizer, problem.question, problem.solution, cfg.system_prompt)
+        if len(response) > R:
+            raise _too_long(problem, "solution", len(response), "max_response_len", R)
+    else:
+        prompt = prompt_ids(tokenizer, problem.question, cfg.system_prompt)
+    n = len(prompt)
+    if n > P:
+        raise _too_long(problem, "question", n, "max_prompt_len", P)
+    prompt_tokens = np.full((P,), pad, np.int32)
+    prompt_tokens[P - n:] = prompt
+    prompt_mask = np.zeros((P,), np.int32)
+    prompt_mask[P - n:] = 1
+    element = {
+        "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask, "prompt_len": np.int32(n),
+        "index": np.int64(index), "valid": np.bool_(valid), "question": problem.question, "answer": problem.answer,
+    }
+    if kind == "sft":
+        m = len(response)
+        resp_tokens = np.full((R,), pad, np.int32)
+        resp_tokens[:m] = response
+        resp_mask = np.zeros((R,), np.int32)
+        resp_mask[:m] = 1
+        element["tokens"] = np.concatenate([prompt_tokens, resp_tokens])
+        element["attn_mask"] = np.concatenate([prompt_mask, resp_mask])
+        element["loss_mask"] = np.concatenate([np.zeros((P,), np.int32), resp_mask])
+    return element
+
+
+def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    pi = jax.process_index() if process_index is None else process_index
+    pc = jax.process_count() if process_count is None else process_count
+    if not 0 <= pi < pc:
+        raise ValueError(f"process_index={pi} not in [0, process_count={pc})")
+    return pi, pc
+
+
+def _per_process(global_batch: int, pc: int, name: str) -> int:
+    if global_batch % pc:
+        raise ValueError(f"DataConfig.{name}={global_batch} is not divisible by the process count {pc}")
+    return global_batch // pc
+
+
+def _encoder(problems: Sequence[Problem], tokenizer, cfg: DataConfig, kind: Kind,
+             eager: bool) -> Callable[[int], dict[str, Any]]:
+    """Problem id -> element. Finite splits are encoded up front: bad input fails before any compute."""
+    def encode(i: int) -> dict[str, Any]:
+        return encode_problem(problems[i], i, tokenizer=tokenizer, cfg=cfg, kind=kind)
+
+    if not eager:
+        return encode
+    cache = [encode(i) for i in range(len(problems))]
+    return cache.__getitem__
+
+
+def _read_options(cfg: DataConfig) -> grain.ReadOptions:
+    return grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch_buffer_size)
+
+
+def train_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind: Kind = "prompt",
+                  process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+    """Endless, seeded-shuffled, per-process-sharded batches of the train split (per-process batch size)."""
+    pi, pc = _process(process_index, process_count)
+    per_process = _per_process(cfg.batch_size, pc, "batch_size")
+    problems = load_problems(cfg, "train")
+    if len(problems) < pc * per_process:
+        raise ValueError(f"train split has {len(problems)} problems, fewer than one global batch "
+                         f"(DataConfig.batch_size={cfg.batch_size})")
+    lazy = isinstance(problems, ArithmeticTrain)
+    encode = _encoder(problems, tokenizer, cfg, kind, eager=not lazy)
+    if lazy:  # a stream cannot be checked whole; its first problems catch a too-small length limit early
+        for i in range(min(len(problems), _LAZY_PRECHECK)):
+            encode(i)
+    ids = grain.MapDataset.range(len(problems))[pi::pc]
+    ds = ids.shuffle(seed=cfg.seed).repeat(None).map(encode)
+    return ds.batch(per_process, drop_remainder=True).to_iter_dataset(_read_options(cfg))
+
+
+def train_iterator(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind: Kind = "prompt",
+                   process_index: int | None = None, process_count: int | None = None) -> grain.DatasetIterator:
+    """A fresh checkpointable iterator over `train_dataset` (also the 'fresh iterator' a restore fills in)."""
+    return iter(train_dataset(cfg, tokenizer, kind=kind, process_index=process_index, process_count=process_count))
+
+
+def heldout_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind: Kind = "prompt",
+                    process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+    """One ordered pass over the held-out split in batches of `eval_batch_size` (global); padding rows invalid."""
+    pi, pc = _process(process_index, process_count)
+    per_process = _per_process(cfg.eval_batch_size, pc, "eval_batch_size")
+    problems = load_problems(cfg, "heldout")
+    encode = _encoder(problems, tokenizer, cfg, kind, eager=True)
+    n = len(problems)
+    total = -(-n // cfg.eval_batch_size) * cfg.eval_batch_size
+    rows = [(i, True) for i in range(n)] + [(n - 1, False)] * (total - n)
+
+    def encode_row(row: tuple[int, bool]) -> dict[str, Any]:
+        i, valid = row
+        return {**encode(i), "valid": np.bool_(valid)}
+
+    ds = grain.MapDataset.source(rows)[pi::pc].map(encode_row)
+    return ds.batch(per_process, drop_remainder=False).to_iter_dataset(_read_options(cfg))
