@@ -34,10 +34,11 @@ def build(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
     except pydantic.ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
+        field = f"{prefix}.{loc}" if loc else prefix
         msg = err["msg"]
         if err["type"] == "unexpected_keyword_argument":
             msg = "unknown key"
-        raise ConfigError(f"{prefix}.{loc}: {msg}") from None
+        raise ConfigError(f"{field}: {msg}") from None
     except TypeError as e:  # non-dict nesting etc.
         raise ConfigError(f"{prefix}: {e}") from None
 
