@@ -1,0 +1,21 @@
+"""Distillation losses: pure functions of logits / log-probs, masks and weights.
+
+Entry point: `token_loss(cfg, student_params, model_cfg, hidden_BxTxD, batch) -> (loss, metrics)` (chunked
+over T); teacher side: `teacher_scores` / `teacher_topk` (chunked top-K of the teacher's full softmax).
+"""
+
+from jopd.losses.chunked import chunked_logits_map, teacher_scores, teacher_topk
+from jopd.losses.config import LossConfig
+from jopd.losses.divergences import (cross_entropy, forward_kl, generalized_jsd, reverse_kl, token_logprobs,
+                                     topk_reverse_kl)
+from jopd.losses.is_correction import importance_ratio, importance_weights, is_metrics, mismatch_estimators
+from jopd.losses.masks import loss_mask, masked_mean
+from jopd.losses.objectives import OBJECTIVES, token_loss, token_loss_from_logits
+from jopd.losses.policy_gradient import discounted_future_sum, opd_advantages, policy_gradient_surrogate
+
+__all__ = [
+    "LossConfig", "OBJECTIVES", "token_loss", "token_loss_from_logits", "teacher_scores", "teacher_topk",
+    "chunked_logits_map", "topk_reverse_kl", "reverse_kl", "forward_kl", "generalized_jsd", "cross_entropy",
+    "token_logprobs", "importance_ratio", "importance_weights", "is_metrics", "mismatch_estimators",
+    "loss_mask", "masked_mean", "discounted_future_sum", "opd_advantages", "policy_gradient_surrogate",
+]

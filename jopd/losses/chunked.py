@@ -1,0 +1,117 @@
+"""Chunked projection to logits: map a per-position function over T-chunks so that at most one chunk of
+[B, chunk, V] logits exists at a time (and, under `jax.checkpoint`, the backward pass recomputes each chunk's
+logits instead of storing them). Also the teacher's scoring: top-K ids + log-probs from hidden states."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jopd.models.transformer import logits_from_hidden
+
+ChunkFn = Callable[[jax.Array, Mapping[str, jax.Array]], dict[str, jax.Array]]
+
+
+def head_params(params: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Only the leaves `logits_from_hidden` reads, so the scan does not carry the whole model."""
+    return {"lm_head": params["lm_head"]} if "lm_head" in params else {"embed": params["embed"]}
+
+
+def chunked_logits_map(
+    fn: ChunkFn,
+    params: Mapping[str, Any],
+    hidden_BxTxD: Float[Array, "B T D"],
+    inputs: Mapping[str, jax.Array],
+    chunk: int,
+    *,
+    dtype=jnp.float32,
+    remat: bool = True,
+) -> dict[str, jax.Array]:
+    """`fn(logits_BxCxV, inputs_chunk) -> {name: [B, C, ...]}` over T-chunks of C positions; returns [B, T, ...].
+
+    `inputs` are [B, T, ...] arrays sliced along T with the hidden states. T need not be a multiple of
+    `chunk`: the tail is zero-padded (finite logits) and cut from the outputs, so padding gets no gradient.
+    `remat=True` wraps each chunk in `jax.checkpoint` (for differentiated use); logits are fp32.
+    """
+    B, T, _ = hidden_BxTxD.shape
+    c = max(1, min(int(chunk), T))
+    n = -(-T // c)
+    pad = n * c - T
+
+    def split(x):  # [B, T, ...] -> [n, B, c, ...]
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(B, n, c, *x.shape[2:]), 0, 1)
+
+    def merge(y):  # [n, B, c, ...] -> [B, T, ...]
+        return jnp.swapaxes(y, 0, 1).reshape(B, n * c, *y.shape[3:])[:, :T]
+
+    def per_chunk(p, h_BxCxD, inp):
+        logits = logits_from_hidden(p, h_BxCxD, dtype=dtype, logits_dtype=jnp.float32)
+        return fn(logits, inp)
+
+    if remat:
+        # Saves only the chunk's inputs; prevent_cse=False is safe (and faster) inside scan.
+        per_chunk = jax.checkpoint(per_chunk, prevent_cse=False)
+    head = head_params(params)
+
+    def body(carry, xs):
+        h, inp = xs
+        return carry, per_chunk(head, h, inp)
+
+    _, out = jax.lax.scan(body, None, (split(hidden_BxTxD), {k: split(v) for k, v in inputs.items()}))
+    return jax.tree.map(merge, out)
+
+
+def teacher_scores(
+    teacher_hidden_BxTxD: Float[Array, "B T D"],
+    teacher_params: Mapping[str, Any],
+    *,
+    k: int,
+    chunk: int,
+    targets_BxT: Int[Array, "B T"] | None = None,
+    temperature: float = 1.0,
+    dtype=jnp.float32,
+) -> dict[str, jax.Array]:
+    """Teacher top-K of its FULL softmax (at `temperature`), computed chunk by chunk; no gradient.
+
+    Returns batch entries for `token_loss`: teacher_topk_ids [B,T,K] int32, teacher_topk_logprobs [B,T,K] fp32
+    (log-probs under the full-vocabulary softmax, descending), and, when `targets_BxT` is given,
+    teacher_target_logprobs [B,T] (log pi_t of each target token, for sampled-token OPD).
+    """
+    hidden = jax.lax.stop_gradient(teacher_hidden_BxTxD)
+    params = jax.lax.stop_gradient(head_params(teacher_params))
+    V = (params["lm_head"].shape[-1] if "lm_head" in params else params["embed"].shape[0])
+    if not 1 <= k <= V:
+        raise ValueError(f"teacher top-K: k={k} must be in [1, vocab={V}]")
+
+    def fn(logits_BxCxV, inp):
+        logprobs = jax.nn.log_softmax(logits_BxCxV / temperature, axis=-1)
+        values, ids = jax.lax.top_k(logprobs, k)
+        out = {"teacher_topk_ids": ids.astype(jnp.int32), "teacher_topk_logprobs": values}
+        if "targets" in inp:
+            t = inp["targets"].astype(jnp.int32)[..., None]
+            out["teacher_target_logprobs"] = jnp.take_along_axis(logprobs, t, axis=-1)[..., 0]
+        return out
+
+    inputs = {} if targets_BxT is None else {"targets": targets_BxT}
+    return chunked_logits_map(fn, params, hidden, inputs, chunk, dtype=dtype, remat=False)
+
+
+def teacher_topk(
+    teacher_hidden_BxTxD: Float[Array, "B T D"],
+    teacher_params: Mapping[str, Any],
+    k: int,
+    chunk: int,
+    *,
+    temperature: float = 1.0,
+    dtype=jnp.float32,
+) -> tuple[Int[Array, "B T K"], Float[Array, "B T K"]]:
+    """(ids_BxTxK int32, logprobs_BxTxK fp32): the teacher's top-K tokens and their full-softmax log-probs."""
+    out = teacher_scores(teacher_hidden_BxTxD, teacher_params, k=k, chunk=chunk, temperature=temperature,
+                         dtype=dtype)
+    return out["teacher_topk_ids"], out["teacher_topk_logprobs"]

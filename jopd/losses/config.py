@@ -1,0 +1,51 @@
+"""`LossConfig`: which per-token objective the trainer minimizes, with its masks and IS correction."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import pydantic
+
+from jopd.configlib import config_dataclass
+
+LossKind = Literal["topk_rkl", "sampled_opd", "rkl", "fkl", "jsd", "sft"]
+ISMode = Literal["none", "tis", "icepop"]
+
+_Pos = pydantic.Field(gt=0)
+
+
+@config_dataclass
+class LossConfig:
+    """Frozen and hashable, so it can be a static argument of the jitted train step."""
+
+    # topk_rkl: truncated reverse KL on the teacher's top-K support (the default OPD loss);
+    # sampled_opd: policy gradient with advantage -(log pi_s(y) - log pi_t(y)) on the sampled token;
+    # rkl / fkl / jsd: full-vocabulary divergences (need full teacher logits); sft: cross-entropy on targets.
+    kind: LossKind = "topk_rkl"
+    top_k: Annotated[int, pydantic.Field(ge=1)] = 32  # K; must match the teacher top-K in the batch
+    # GKD convention: JSD_b = b KL(p_t||m) + (1-b) KL(p_s||m), m = b p_t + (1-b) p_s, with the limits of
+    # JSD_b/b and JSD_b/(1-b) at the ends: b=0 -> forward KL(p_t||p_s), b=1 -> reverse KL(p_s||p_t).
+    jsd_beta: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.5
+    # sampled_opd only: advantage_t = sum_{k>=t} gamma^(k-t) r_k over unmasked k (0 = per-token advantage).
+    gamma: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.0
+    # Divides student (and full teacher) logits; must equal the sampler's temperature for IS/mismatch and the
+    # temperature given to `teacher_topk`.
+    temperature: Annotated[float, _Pos] = 1.0
+    # Importance-sampling correction from sampler vs trainer logprobs of the sampled tokens (stop-gradient):
+    # tis: w = min(p/q, is_cap); icepop: w = p/q if icepop_low <= p/q <= icepop_high else 0.
+    is_mode: ISMode = "none"
+    is_cap: Annotated[float, _Pos] = 2.0
+    icepop_low: Annotated[float, pydantic.Field(ge=0.0)] = 0.5
+    icepop_high: Annotated[float, _Pos] = 5.0
+    # Positions whose TARGET token is one of these ids (special / chat-template tokens) are masked out.
+    special_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
+    # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats).
+    chunk_size: Annotated[int, pydantic.Field(ge=1)] = 128
+
+    @pydantic.field_validator("icepop_high")
+    @classmethod
+    def _high_above_low(cls, high: float, info: pydantic.ValidationInfo) -> float:
+        low = info.data.get("icepop_low")
+        if low is not None and high <= low:
+            raise ValueError(f"must be above icepop_low={low}, got {high}")
+        return high

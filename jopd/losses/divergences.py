@@ -1,0 +1,82 @@
+"""Per-token divergences between the student's and the teacher's next-token distributions.
+
+Pure functions over the last (vocabulary or top-K) axis; any leading axes (`*N`, e.g. B, T) broadcast. Every
+divergence is a differentiable function of the student logits and returns nats per position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def token_logprobs(logits_NxV: Float[Array, "*N V"], targets_N: Int[Array, "*N"]) -> Float[Array, "*N"]:
+    """log softmax(logits)[target] without materializing the full log-softmax."""
+    picked = jnp.take_along_axis(logits_NxV, targets_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits_NxV, axis=-1)
+
+
+def cross_entropy(logits_NxV: Float[Array, "*N V"], targets_N: Int[Array, "*N"]) -> Float[Array, "*N"]:
+    return -token_logprobs(logits_NxV, targets_N)
+
+
+def topk_reverse_kl(
+    student_logits_NxV: Float[Array, "*N V"],
+    teacher_ids_NxK: Int[Array, "*N K"],
+    teacher_logprobs_NxK: Float[Array, "*N K"],
+) -> tuple[Float[Array, "*N"], Float[Array, "*N"]]:
+    """Truncated reverse KL on the teacher's top-K support S, both sides renormalized on S.
+
+    loss = sum_{v in S} p^_s(v) (log p^_s(v) - log p^_t(v)), p^_s = softmax(student_logits[S]),
+    p^_t = softmax(teacher_logprobs over S). Returns (loss, student top-K mass sum_{v in S} p_s(v) under the
+    student's full softmax; the mass is a stop-gradient metric).
+    """
+    s_on_support = jnp.take_along_axis(student_logits_NxV, teacher_ids_NxK.astype(jnp.int32), axis=-1)
+    log_ps_hat = jax.nn.log_softmax(s_on_support, axis=-1)
+    log_pt_hat = jax.nn.log_softmax(teacher_logprobs_NxK.astype(log_ps_hat.dtype), axis=-1)
+    loss = jnp.sum(jnp.exp(log_ps_hat) * (log_ps_hat - log_pt_hat), axis=-1)
+    log_mass = jax.nn.logsumexp(s_on_support, axis=-1) - jax.nn.logsumexp(student_logits_NxV, axis=-1)
+    return loss, jax.lax.stop_gradient(jnp.exp(log_mass))
+
+
+def _kl_from_logprobs(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
+    """KL(p||q) = sum p (log p - log q) over the last axis, from normalized log-probabilities."""
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+def reverse_kl(student_logits_NxV: Float[Array, "*N V"], teacher_logits_NxV: Float[Array, "*N V"]
+               ) -> Float[Array, "*N"]:
+    """KL(p_s || p_t) over the full vocabulary (mode-seeking; what OPD minimizes)."""
+    log_ps = jax.nn.log_softmax(student_logits_NxV, axis=-1)
+    log_pt = jax.nn.log_softmax(teacher_logits_NxV.astype(log_ps.dtype), axis=-1)
+    return _kl_from_logprobs(log_ps, log_pt)
+
+
+def forward_kl(student_logits_NxV: Float[Array, "*N V"], teacher_logits_NxV: Float[Array, "*N V"]
+               ) -> Float[Array, "*N"]:
+    """KL(p_t || p_s) over the full vocabulary (mass-covering; the classic distillation loss)."""
+    log_ps = jax.nn.log_softmax(student_logits_NxV, axis=-1)
+    log_pt = jax.nn.log_softmax(teacher_logits_NxV.astype(log_ps.dtype), axis=-1)
+    return _kl_from_logprobs(log_pt, log_ps)
+
+
+def generalized_jsd(student_logits_NxV: Float[Array, "*N V"], teacher_logits_NxV: Float[Array, "*N V"],
+                    beta: float) -> Float[Array, "*N"]:
+    """Generalized Jensen-Shannon divergence, GKD convention (Agarwal et al. 2024; TRL's GKD trainer).
+
+    JSD_b = b KL(p_t || m) + (1-b) KL(p_s || m), m = b p_t + (1-b) p_s, for 0 < b < 1. `beta` is a static
+    Python float; the ends are defined as the limits of JSD_b/b (b -> 0) and JSD_b/(1-b) (b -> 1):
+    b = 0 gives forward KL(p_t || p_s), b = 1 gives reverse KL(p_s || p_t). b = 0.5 is the usual JSD.
+    """
+    beta = float(beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"jsd beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return forward_kl(student_logits_NxV, teacher_logits_NxV)
+    if beta == 1.0:
+        return reverse_kl(student_logits_NxV, teacher_logits_NxV)
+    log_ps = jax.nn.log_softmax(student_logits_NxV, axis=-1)
+    log_pt = jax.nn.log_softmax(teacher_logits_NxV.astype(log_ps.dtype), axis=-1)
+    log_m = jnp.logaddexp(log_pt + jnp.log(beta), log_ps + jnp.log1p(-beta))
+    return beta * _kl_from_logprobs(log_pt, log_m) + (1.0 - beta) * _kl_from_logprobs(log_ps, log_m)
