@@ -75,6 +75,10 @@ def test_topk_rkl_matches_numpy_formula_and_token_mean():
     mask = np.asarray(batch["response_mask"]) & ~np.isin(np.asarray(batch["targets"]), SPECIAL)
     assert metrics["num_tokens"] == mask.sum() == B * T - 3 - 2
     np.testing.assert_allclose(total, ref[mask].sum() / mask.sum(), rtol=1e-5)
+    # an explicit normalizer (e.g. the token count of all gradient-accumulation micro-batches) replaces N
+    total2, _ = token_loss_from_logits(_cfg("topk_rkl"), jnp.asarray(s, jnp.float32),
+                                       dict(batch, token_normalizer=jnp.float32(40.0)))
+    np.testing.assert_allclose(total2, ref[mask].sum() / 40.0, rtol=1e-5)
     np.testing.assert_allclose(metrics["topk_mass"], np.take_along_axis(p_s, ids, -1).sum(-1)[mask].mean(),
                                rtol=1e-5)
 
@@ -310,3 +314,6 @@ def test_missing_or_misshaped_batch_entries_raise_one_clear_error():
     t = _rand(23, (B, T, V))
     with pytest.raises(ValueError, match=r"LossConfig.top_k\)=\(2, 6, 3\)"):
         token_loss_from_logits(_cfg("topk_rkl", top_k=3), s, _batch("topk_rkl", t, t, k=4))
+    with pytest.raises(ValueError, match=r"batch\['sampler_logprobs'\]: shape \(2, 5\)"):
+        token_loss_from_logits(_cfg("sft"), s, dict(batch, sampler_logprobs=jnp.zeros((B, T - 1))))
+    token_loss_from_logits(_cfg("sft"), s, dict(batch, unrelated=jnp.zeros(3)))  # entries it does not read

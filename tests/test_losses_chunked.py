@@ -124,3 +124,37 @@ def test_chunking_bounds_compiled_memory():
     assert full >= logits_bytes  # the unchunked version holds at least one full [B,T,V] fp32 tensor
     # chunked: ~4 chunk-sized buffers + the [V,D] gradient accumulator (measured 4.3 MB vs 33.6 MB unchunked)
     assert chunked < logits_bytes / 3 and chunked < full / 5, (chunked, full)
+
+
+def test_sharded_loss_and_teacher_scores_equal_single_device(setup):
+    """8 host devices (data 2 x fsdp 2 x tensor 2, Auto axes as in jopd.mesh): batch over data+fsdp, the head
+    [V, D] as the train rules place it (vocab over tensor, embed over fsdp)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    s = setup
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    rows = P(("data", "fsdp"))
+    params, hidden = s["params"]["tied"], s["hidden"]["tied"]
+    rep = lambda x: jnp.concatenate([x, x[::-1]], 0)  # noqa: E731  B=4 so the batch splits 4 ways
+    batch = {k: rep(v) for k, v in s["batch"].items() if k != "teacher_logits"}
+    hidden, t_hidden = rep(hidden), rep(s["t_hidden"])
+    cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=5, special_token_ids=SPECIAL, is_mode="tis")
+
+    def step(p, h, th, tp, b):
+        scores = teacher_scores(th, tp, k=K, chunk=5, targets_BxT=b["targets"])
+        b = {**b, **scores}
+        (loss, metrics), grads = jax.value_and_grad(lambda p_, h_: token_loss(cfg, p_, MC, h_, b), argnums=(0, 1),
+                                                    has_aux=True)(p, h)
+        return loss, metrics, grads, scores
+
+    ref = jax.jit(step)(params, hidden, t_hidden, s["teacher"], batch)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    head_spec = {"embed": P("tensor", "fsdp")}
+    sp = {**params, "embed": put(params["embed"], head_spec["embed"])}
+    tp = {**s["teacher"], "embed": put(s["teacher"]["embed"], head_spec["embed"])}
+    sb = {k: put(v, rows) for k, v in batch.items()}
+    out = jax.jit(step)(sp, put(hidden, rows), put(t_hidden, rows), tp, sb)
+    np.testing.assert_allclose(out[0], ref[0], rtol=1e-5)
+    np.testing.assert_array_equal(out[3]["teacher_topk_ids"], ref[3]["teacher_topk_ids"])
+    for a, b in zip(jax.tree.leaves(out[2]), jax.tree.leaves(ref[2])):
+        assert float(jnp.linalg.norm(a - b)) / max(float(jnp.linalg.norm(b)), 1e-12) < 1e-4

@@ -48,20 +48,20 @@ def _topk_rkl(cfg, logits, inp):
     return {"divergence": loss, "topk_mass": mass}
 
 
-def _full(fn):
+def _full(divergence):
+    """A full-vocabulary divergence against `teacher_logits` (scaled by the same temperature)."""
     def per_position(cfg, logits, inp):
-        return {"divergence": fn(logits, inp["teacher_logits"].astype(jnp.float32) / cfg.temperature)}
+        teacher = inp["teacher_logits"].astype(jnp.float32) / cfg.temperature
+        return {"divergence": divergence(cfg, logits, teacher)}
     return per_position
 
 
 OBJECTIVES: dict[str, Objective] = {
     "topk_rkl": Objective(("teacher_topk_ids", "teacher_topk_logprobs"), (), _topk_rkl),
     "sampled_opd": Objective((), ("teacher_target_logprobs",), lambda cfg, logits, inp: {}),
-    "rkl": Objective(("teacher_logits",), (), _full(div.reverse_kl)),
-    "fkl": Objective(("teacher_logits",), (), _full(div.forward_kl)),
-    "jsd": Objective(("teacher_logits",), (),
-                     lambda cfg, logits, inp: _full(functools.partial(div.generalized_jsd, beta=cfg.jsd_beta))(
-                         cfg, logits, inp)),
+    "rkl": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.reverse_kl(s, t))),
+    "fkl": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.forward_kl(s, t))),
+    "jsd": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.generalized_jsd(s, t, cfg.jsd_beta))),
     "sft": Objective((), (), lambda cfg, logits, inp: {}),
 }
 
@@ -82,11 +82,12 @@ def _check_batch(cfg: LossConfig, batch: Batch, B: int, T: int, vocab: int | Non
         needed += ("sampler_logprobs",)
     for key in needed:
         if key not in batch:
-            why = f"LossConfig.is_mode={cfg.is_mode!r}" if key == "sampler_logprobs" else f"LossConfig.kind={cfg.kind!r}"
-            raise ValueError(f"loss batch: missing key {key!r} (needed by {why})")
-    for key, value in batch.items():
-        if key != "token_normalizer" and tuple(value.shape[:2]) != (B, T):
-            raise ValueError(f"loss batch[{key!r}]: shape {tuple(value.shape)} does not start with (B, T)={(B, T)}")
+            why = f"is_mode={cfg.is_mode!r}" if key == "sampler_logprobs" else f"kind={cfg.kind!r}"
+            raise ValueError(f"loss batch: missing key {key!r} (needed by LossConfig.{why})")
+    for key in set(needed) | ({"sampler_logprobs"} & set(batch)):  # other batch entries are not read
+        if tuple(batch[key].shape[:2]) != (B, T):
+            raise ValueError(f"loss batch[{key!r}]: shape {tuple(batch[key].shape)} does not start with "
+                             f"(B, T)={(B, T)}")
     if cfg.kind == "topk_rkl":
         ids, lps = batch["teacher_topk_ids"], batch["teacher_topk_logprobs"]
         if ids.shape != (B, T, cfg.top_k) or lps.shape != ids.shape:
