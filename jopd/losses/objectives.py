@@ -72,7 +72,14 @@ def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax
         logits = logits / cfg.temperature
     out = {"target_logprobs": div.token_logprobs(logits, inp["targets"])}
     out.update(OBJECTIVES[cfg.kind].per_position(cfg, logits, inp))
+    if "sampler_full_logprobs" in inp:  # exact mismatch KL(sampler || trainer), full vocab, no gradient
+        out["mismatch_kl"] = div.reverse_kl(inp["sampler_full_logprobs"].astype(jnp.float32),
+                                            jax.lax.stop_gradient(logits))
     return out
+
+
+def _optional_chunk_keys(batch: Batch) -> tuple[str, ...]:
+    return ("sampler_full_logprobs",) if "sampler_full_logprobs" in batch else ()
 
 
 def _check_batch(cfg: LossConfig, batch: Batch, B: int, T: int, vocab: int | None) -> None:
@@ -126,6 +133,8 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: Batch) -> tu
     else:
         per_position = -logp if cfg.kind == "sft" else terms["divergence"]
         metrics["divergence"] = masked_mean(jax.lax.stop_gradient(per_position), mask)
+    if "mismatch_kl" in terms:  # averaged over response tokens (special tokens included), per DESIGN.md
+        metrics["mismatch_kl"] = masked_mean(terms["mismatch_kl"], batch["response_mask"].astype(bool))
     if "topk_mass" in terms:
         metrics["topk_mass"] = masked_mean(terms["topk_mass"], mask)
         teacher_mass = jnp.exp(jax.nn.logsumexp(batch["teacher_topk_logprobs"].astype(jnp.float32), axis=-1))
@@ -163,6 +172,8 @@ def token_loss(
       sampler_logprobs        [B,T] fp32   log q(targets) from the sampler; required if is_mode != none,
                                             otherwise optional (adds mismatch / IS metrics)
       token_normalizer        []    fp32   optional denominator replacing the unmasked-token count
+      sampler_full_logprobs   [B,T,V] fp32 optional: the sampler's full (unprocessed) log-softmax at the same
+                                            temperature; adds metric mismatch_kl = exact KL(sampler || trainer)
 
     Metrics: loss, num_tokens, divergence (mean unweighted per-token objective: truncated/full divergence,
     NLL for sft, sampled reverse-KL k1 for sampled_opd), target_logprob; topk_rkl adds topk_mass (student's
@@ -174,7 +185,7 @@ def token_loss(
     if D != model_cfg.hidden_size:
         raise ValueError(f"token_loss: hidden size {D} != ModelConfig.hidden_size {model_cfg.hidden_size}")
     _check_batch(cfg, batch, B, T, model_cfg.vocab_size)
-    keys = ("targets",) + OBJECTIVES[cfg.kind].chunk_keys
+    keys = ("targets",) + OBJECTIVES[cfg.kind].chunk_keys + _optional_chunk_keys(batch)
     terms = chunked_logits_map(functools.partial(_chunk_terms, cfg), student_params, hidden_BxTxD,
                                {k: batch[k] for k in keys}, cfg.chunk_size, dtype=dtype, remat=True)
     return _reduce(cfg, terms, batch)
@@ -185,5 +196,5 @@ def token_loss_from_logits(cfg: LossConfig, logits_BxTxV: Float[Array, "B T V"],
     """Same loss from already materialized student logits (unchunked reference; tests, small vocab)."""
     B, T, V = logits_BxTxV.shape
     _check_batch(cfg, batch, B, T, V)
-    keys = ("targets",) + OBJECTIVES[cfg.kind].chunk_keys
+    keys = ("targets",) + OBJECTIVES[cfg.kind].chunk_keys + _optional_chunk_keys(batch)
     return _reduce(cfg, _chunk_terms(cfg, logits_BxTxV, {k: batch[k] for k in keys}), batch)

@@ -1,0 +1,132 @@
+"""Run config: the components' own configs composed into one, loaded from YAML with `key=value` overrides.
+
+Validation is strict (unknown key or wrong type -> one line naming it, e.g. `RunConfig.loss.top_k: Input
+should be greater than or equal to 1`), and happens before any model is loaded or any compute starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+import pydantic
+import yaml
+
+from jopd.checkpoint import CheckpointConfig
+from jopd.configlib import ConfigError, build, config_dataclass
+from jopd.data.pipeline import DataConfig
+from jopd.losses import LossConfig
+from jopd.mesh import MeshConfig
+from jopd.optim import OptimConfig
+from jopd.precision import PrecisionConfig
+from jopd.sampler import SamplingConfig
+
+
+@config_dataclass
+class ArchConfig:
+    """Architecture of a built-in testbed model (trained from scratch by SFT; the tokenizer sets the vocab)."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    hidden_size: int = pydantic.Field(64, ge=8)
+    intermediate_size: int = pydantic.Field(192, ge=8)
+    num_layers: int = pydantic.Field(2, ge=1)
+    num_heads: int = pydantic.Field(2, ge=1)
+    num_kv_heads: int = pydantic.Field(1, ge=1)
+    head_dim: int = pydantic.Field(32, ge=2)
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = pydantic.Field(256, ge=8)
+
+
+@config_dataclass
+class WarmStartConfig:
+    """SFT on worked solutions that makes a testbed model from scratch (cached by content hash)."""
+
+    steps: int = pydantic.Field(300, ge=0)
+    batch_size: int = pydantic.Field(64, ge=1)
+    learning_rate: float = pydantic.Field(3e-3, gt=0)
+    warmup_steps: int = pydantic.Field(30, ge=0)
+    seed: int = 0
+
+
+@config_dataclass
+class ModelSource:
+    """Where a model comes from: a checkpoint path (HF dir or .gguf), or the built-in testbed recipe."""
+
+    path: str | None = None  # HF dir / .gguf; None -> build `arch` by SFT (`warm_start`) and cache it
+    arch: ArchConfig = ArchConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer
+
+
+@config_dataclass
+class TrainConfig:
+    steps: int = pydantic.Field(100, ge=0)  # OPD updates
+    seed: int = 0
+    out_dir: str = "runs/testbed"  # metrics.jsonl, TensorBoard, checkpoints, eval JSON/CSV and PNGs
+    log_every: int = pydantic.Field(1, ge=1)
+    eval_every: int = pydantic.Field(0, ge=0)  # held-out eval every N steps (0: before and after only)
+    eval_problems: int = pydantic.Field(530, ge=1)  # held-out problems per eval (<= the held-out split)
+    eval_max_new_tokens: int = pydantic.Field(48, ge=1)
+    mismatch: Literal["exact", "estimators"] = "exact"  # exact full-vocab KL needs [B,N,V] sampler logprobs
+    is_logprobs: Literal["unprocessed", "processed"] = "unprocessed"  # sampler logprobs used for IS weights
+    cache_dir: str | None = None  # testbed model cache; None -> $JOPD_CACHE or ~/.cache/jopd
+
+
+@config_dataclass
+class RunConfig:
+    student: ModelSource = ModelSource()
+    teacher: ModelSource = ModelSource()
+    data: DataConfig = DataConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rollout_precision: PrecisionConfig = PrecisionConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def _parse_value(text: str) -> Any:
+    """`key=value` values are YAML scalars/lists (`1e-3`, `true`, `[1, 2]`, `null`)."""
+    return yaml.safe_load(text)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. loss.top_k=16)")
+        key, value = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {p!r} is not a section")
+            node[p] = child = dict(child)
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: config file not found")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    data = apply_overrides(data, list(overrides))
+    return build(RunConfig, data, where="RunConfig")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
