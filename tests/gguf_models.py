@@ -14,8 +14,8 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, hf_model, *, arch_name: str | None = None, raw_types: dict[str, gguf.GGMLQuantizationType] | None = None,
-               drop: tuple[str, ...] = ()) -> None:
+def write_gguf(path, hf_model, *, arch_name: str | None = None,
+               raw_types: dict[str, gguf.GGMLQuantizationType] | None = None, drop: tuple[str, ...] = ()) -> None:
     """`raw_types` maps GGUF tensor names to a type to declare for them (bytes are written unchecked), to make
     files that carry quantization types jopd cannot read; `drop` omits GGUF tensors."""
     c = hf_model.config

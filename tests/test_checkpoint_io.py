@@ -92,7 +92,8 @@ def test_sharded_load_equals_plain_load(qwen2_dir):
 def test_tiny_gguf_gives_the_same_params_as_the_hf_dir(case, tmp_path):
     model = make_hf_model(case, seed=7)
     if case.startswith("llama"):  # GGUF carries no llama3 rope scaling metadata (llama.cpp uses rope_freqs)
-        model.config.rope_parameters = {"rope_type": "default", "rope_theta": model.config.rope_parameters["rope_theta"]}
+        theta = model.config.rope_parameters["rope_theta"]
+        model.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     model.save_pretrained(tmp_path / "hf")
     write_gguf(tmp_path / "m.gguf", model)
     cfg_hf, p_hf = io.load_params(tmp_path / "hf")

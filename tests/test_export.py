@@ -109,7 +109,8 @@ def test_export_with_tokenizer_and_generate_command(tmp_path, capsys):
     msgs = [{"role": "user", "content": "hello the sea"}]
     ids = G.prompt_ids(back, "hello the sea")
     assert back.chat_template == tok.chat_template
-    assert ids == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    direct = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert ids == direct["input_ids"]
     assert ids == [1, 3, 5, 7, 8, 2, 1, 4]
 
     # `jopd generate` on the exported dir prints transformers' greedy text for the same model.

@@ -59,7 +59,7 @@ def fp32_logits(jopd_model, prompt_ids):
 @pytest.fixture(scope="module")
 def hf_greedy(hf_model, prompt_ids):
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones_like(torch.tensor([prompt_ids])),
                                 max_new_tokens=N_NEW, do_sample=False)
     return out[0, len(prompt_ids):].numpy()
 

@@ -79,26 +79,21 @@ def _lazy_param(src, view: TensorView, cfg: ModelConfig) -> LazyParam:
         return fetch
 
     if view.per_layer:
-        full = (cfg.num_layers, *[n for n in _jopd_shape(view)])
+        full = (cfg.num_layers, *view.jopd_shape)
 
         def read(index):
             index = normalize_index(index, full)
             rows = [view.read(fetcher(view.hf_name(i)), index[1:]) for i in range(index[0].start, index[0].stop)]
             if not rows:
                 return np.zeros([s.stop - s.start for s in index], dtype)
-            return np.stack(rows)
+            return np.stack(rows).astype(dtype, copy=False)
     else:
-        full = _jopd_shape(view)
+        full = view.jopd_shape
 
         def read(index):
-            return view.read(fetcher(view.name), normalize_index(index, full))
+            return view.read(fetcher(view.name), normalize_index(index, full)).astype(dtype, copy=False)
 
     return LazyParam(shape=tuple(full), dtype=dtype, read=read)
-
-
-def _jopd_shape(view: TensorView) -> tuple[int, ...]:
-    flat = [n for g in view.split for n in g]
-    return tuple(flat[p] for p in view.perm)
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
@@ -113,8 +108,8 @@ def load_params(path: str | os.PathLike, *, dtype=jnp.float32, shardings=None,
     """Load a checkpoint as jax arrays of `dtype`.
 
     shardings=None: plain (single-device) arrays. Otherwise a pytree of `jax.sharding.Sharding` matching the
-    params (or one Sharding for all); each array is built with `jax.make_array_from_callback`, so each process reads only the slices
-    that its own devices hold.
+    params (or one Sharding for all): each array is built with `jax.make_array_from_callback`, so each process
+    reads only the slices that its own devices hold.
     """
     cfg, lazy = open_checkpoint(path)
     np_dtype = np.dtype(dtype)
