@@ -70,6 +70,9 @@ class TrainConfig:
     eval_max_new_tokens: int = pydantic.Field(48, ge=1)
     mismatch: Literal["exact", "estimators"] = "exact"  # exact full-vocab KL needs [B,N,V] sampler logprobs
     is_logprobs: Literal["unprocessed", "processed"] = "unprocessed"  # sampler logprobs used for IS weights
+    # Mask positions whose target is a special/chat-template token of the tokenizer (EOS excepted, so the
+    # student still learns when to stop); an explicit loss.special_token_ids list takes precedence.
+    mask_special_tokens: bool = True
     cache_dir: str | None = None  # testbed model cache; None -> $JOPD_CACHE or ~/.cache/jopd
 
 

@@ -109,6 +109,20 @@ def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer) -> tuple[M
     return model_cfg, params, f"{model_dir} (trained now)"
 
 
+def precheck_sources(cfg: RunConfig) -> None:
+    """Cheap checks on configs/metadata only (no weights read): files exist, vocabularies agree."""
+    cfgs = {}
+    for role, src in (("teacher", cfg.teacher), ("student", cfg.student)):
+        if src.path is not None:
+            if not Path(src.path).exists():
+                raise FileNotFoundError(f"RunConfig.{role}.path: {src.path} does not exist")
+            cfgs[role] = io.open_checkpoint(src.path)[0]
+    if len(cfgs) == 2:
+        check_compatible(cfgs["student"], cfgs["teacher"], None, None)
+        check_compatible(cfgs["student"], cfgs["teacher"], io.load_tokenizer(cfg.student.path),
+                         io.load_tokenizer(cfg.teacher.path))
+
+
 def check_compatible(student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_tok, teacher_tok) -> None:
     """Distillation compares distributions token by token: the two models must share the vocabulary."""
     if student_cfg.vocab_size != teacher_cfg.vocab_size:

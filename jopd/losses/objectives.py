@@ -133,6 +133,8 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: Batch) -> tu
     else:
         per_position = -logp if cfg.kind == "sft" else terms["divergence"]
         metrics["divergence"] = masked_mean(jax.lax.stop_gradient(per_position), mask)
+    if "teacher_target_logprobs" in batch:  # sampled estimate (k1) of KL(student || teacher) on the rollouts
+        metrics["teacher_kl_k1"] = masked_mean(logp_sg - batch["teacher_target_logprobs"].astype(jnp.float32), mask)
     if "mismatch_kl" in terms:  # averaged over response tokens (special tokens included), per DESIGN.md
         metrics["mismatch_kl"] = masked_mean(terms["mismatch_kl"], batch["response_mask"].astype(bool))
     if "topk_mass" in terms:

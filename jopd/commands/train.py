@@ -1,0 +1,25 @@
+"""Run on-policy distillation: `jopd train CONFIG.yaml [key=value ...]` (resumes from the latest checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default="configs/testbed.yaml",
+                   help="YAML run config (default: configs/testbed.yaml, the CPU testbed)")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.steps=20 loss.top_k=16")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jopd.config import load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)  # validation errors surface before any compute
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    from jopd.train import train
+
+    summary = train(cfg)
+    return 0 if "after" in summary or summary["steps"] < cfg.train.steps else 1
