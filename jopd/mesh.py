@@ -193,7 +193,7 @@ class AxisRules:
                 for axis in _as_axes(cand):
                     if axis not in mesh.shape:
                         raise ValueError(f"{self.name} rules: logical axis '{logical}' maps to mesh axis "
-                                         f"'{axis}', which is not in the mesh ({_fmt(dict(mesh.shape))})")
+                                         f"'{axis}', which is not in the mesh {_fmt(dict(mesh.shape))}")
 
 
 _ACTIVATION_RULES: dict[str, Sequence[MeshAxes]] = {
@@ -263,7 +263,7 @@ def logical_to_spec(logical: Sequence[str | None], mesh: Mesh, rules: AxisRules,
                     axes, size = rejected[0]
                     raise ValueError(
                         f"{where}: dim {dim} (logical axis '{name}', size {shape[dim]}) is not divisible by mesh "
-                        f"axis {'x'.join(axes)} (size {size}) of mesh {_fmt(dict(mesh.shape))}; change the mesh "
+                        f"axis {' x '.join(axes)} (size {size}) of mesh {_fmt(dict(mesh.shape))}; change the mesh "
                         f"or set on_indivisible='replicate'")
         used.update(chosen)
         spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)

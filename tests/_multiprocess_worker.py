@@ -1,0 +1,59 @@
+"""One process of the 2-process mesh test (run by tests/test_mesh_multiprocess.py, not collected by pytest).
+
+usage: python tests/_multiprocess_worker.py OUT_DIR
+env: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (read by jopd.distributed.maybe_initialize)
+Writes OUT_DIR/logits_<process_id>.npy: the full global logits, gathered to this host.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jopd.models.config import ModelConfig  # noqa: E402
+
+CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+BATCH, LENGTH = 8, 16
+PARAM_SEED = 0
+
+
+def make_batch() -> tuple[np.ndarray, np.ndarray]:
+    """The global batch (same on every process): tokens and a right-padding mask."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, CFG.vocab_size, (BATCH, LENGTH), dtype=np.int32)
+    lengths = np.array([16, 12, 9, 16, 3, 16, 16, 7])
+    return tokens, np.arange(LENGTH)[None] < lengths[:, None]
+
+
+def main(out_dir: str) -> None:
+    from jopd import distributed, mesh as M
+
+    assert distributed.maybe_initialize(), "expected a multi-process job (JAX_COORDINATOR_ADDRESS unset?)"
+    pid = jax.process_index()
+    print(f"process {pid}/{jax.process_count()}: {jax.local_device_count()} local, {jax.device_count()} global",
+          flush=True)
+    mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    rules = M.TRAIN_RULES
+    params = M.init_sharded_params(CFG, jax.random.key(PARAM_SEED), M.param_shardings(CFG, mesh, rules))
+    tokens, mask = make_batch()
+    batch_sh = M.batch_sharding(mesh, rules, tokens.shape)
+    rows = distributed.process_batch_slice(BATCH, batch_sh)
+    print(f"process {pid}: loads batch rows {rows.start}:{rows.stop}", flush=True)
+    tokens_g, mask_g = distributed.host_local_to_global((tokens[rows], mask[rows]), batch_sh)
+    fwd = M.make_sharded_forward(CFG, mesh, rules, (BATCH, LENGTH))
+    logits = fwd(params, tokens_g, mask_g)
+    full = distributed.gather_to_host(logits)
+    np.save(os.path.join(out_dir, f"logits_{pid}.npy"), np.asarray(full, np.float32))
+    print(f"process {pid}: done, logits {full.shape}", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
