@@ -19,6 +19,7 @@ over data/fsdp, so decoding a token never all-gathers weights. Both put the batc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -108,10 +109,15 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         ici = (shape[0] // num_slices, shape[1], shape[2])
         device_array = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1, 1), devices)
     else:
-        try:
-            device_array = mesh_utils.create_device_mesh(
-                shape, devices, allow_split_physical_axes=True)
-        except (ValueError, NotImplementedError, AssertionError):
+        device_array = None
+        for split_physical_axes in (False, True):  # as jax.make_mesh: prefer whole physical axes
+            try:
+                device_array = mesh_utils.create_device_mesh(
+                    shape, devices, allow_split_physical_axes=split_physical_axes)
+                break
+            except (ValueError, NotImplementedError, AssertionError):
+                pass
+        if device_array is None:
             # A device subset that is no physical sub-torus (e.g. a carved teacher sub-mesh): keep id order.
             device_array = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
@@ -334,6 +340,12 @@ def cache_logical_axes() -> dict[str, tuple[str, ...]]:
     return {"k": axes, "v": axes}
 
 
+def shardings_of(tree):
+    """The shardings of a pytree of arrays, e.g. an optimizer state made by `jax.jit(opt.init)(params)` (which
+    inherits the params' layout), to pass as a train step's in/out_shardings."""
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
 def sharded_abstract(shapes_tree, shardings_tree, dtype=None):
     """ShapeDtypeStructs carrying shardings, for AOT `jit(f).lower(...)` (no device memory touched)."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sh),
@@ -346,7 +358,15 @@ def sharded_abstract(shapes_tree, shardings_tree, dtype=None):
 
 def init_sharded_params(cfg: ModelConfig, key: jax.Array, shardings, dtype=jnp.float32):
     """`transformer.init_params` materialized directly into the given layout (never whole on one device)."""
-    return jax.jit(lambda k: transformer.init_params(cfg, k, dtype), out_shardings=shardings)(key)
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _init_fn(cfg, jnp.dtype(dtype), treedef, tuple(leaves))(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _init_fn(cfg: ModelConfig, dtype, treedef, sharding_leaves):
+    # Cached so a second init (another seed) does not recompile: the random init is slow to compile on CPU.
+    out_shardings = jax.tree.unflatten(treedef, sharding_leaves)
+    return jax.jit(lambda k: transformer.init_params(cfg, k, dtype), out_shardings=out_shardings)
 
 
 def per_device_bytes(tree) -> dict[jax.Device, int]:
@@ -377,14 +397,25 @@ def reshard_for_sampling(params, sampling_shardings, dtype=None):
     (cast, then XLA's collectives to the new layout); onto other devices (a split sub-mesh) it is a
     device-to-device `device_put` followed by the cast on the target devices.
     """
-    cast = (lambda t: jax.tree.map(lambda x: x.astype(dtype), t)) if dtype is not None else (lambda t: t)
-    target_devices = {d for sh in jax.tree.leaves(sampling_shardings) for d in sh.device_set}
+    leaves, treedef = jax.tree.flatten(sampling_shardings)
+    target_devices = {d for sh in leaves for d in sh.device_set}
+    dtype = None if dtype is None else jnp.dtype(dtype)
     if _device_set(params) == target_devices:
-        return jax.jit(cast, out_shardings=sampling_shardings)(params)
+        return _cast_fn(dtype, treedef, tuple(leaves), False)(params)
     moved = jax.device_put(params, sampling_shardings)
     if dtype is None:
         return moved
-    return jax.jit(cast, out_shardings=sampling_shardings, donate_argnums=0)(moved)
+    return _cast_fn(dtype, treedef, tuple(leaves), True)(moved)  # `moved` is ours to donate
+
+
+@functools.lru_cache(maxsize=16)
+def _cast_fn(dtype, treedef, sharding_leaves, donate: bool):
+    # Cached: the sampler re-syncs weights every step and must not recompile each time.
+    def cast(tree):
+        return tree if dtype is None else jax.tree.map(lambda x: x.astype(dtype), tree)
+
+    return jax.jit(cast, out_shardings=jax.tree.unflatten(treedef, sharding_leaves),
+                   donate_argnums=(0,) if donate else ())
 
 
 def make_sharded_forward(cfg: ModelConfig, mesh: Mesh, rules: AxisRules, batch_shape: tuple[int, int], *,

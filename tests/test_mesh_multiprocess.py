@@ -8,9 +8,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from jopd import mesh as M
-from jopd.models import transformer as T
 from tests import _multiprocess_worker as worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,17 +54,46 @@ def _fmt(outputs: list[str]) -> str:
 
 def test_two_processes_match_one_process(tmp_path):
     outputs = _run_two_processes(tmp_path)
+    print(_fmt(outputs))  # timings, shown with -s or on failure
     assert "loads batch rows 0:4" in outputs[0] and "loads batch rows 4:8" in outputs[1], _fmt(outputs)
 
     # 1-process reference: same params, same batch, same mesh shape over this process's 8 devices
     cfg = worker.CFG
     tokens, mask = worker.make_batch()
-    params = T.init_params(cfg, jax.random.key(worker.PARAM_SEED))
+    params = worker.make_params()
     mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
     fwd = M.make_sharded_forward(cfg, mesh, M.TRAIN_RULES, tokens.shape)
     one_process = np.asarray(fwd(jax.device_put(params, M.param_shardings(cfg, mesh, M.TRAIN_RULES)),
                                  tokens, mask))
+    assert np.abs(one_process).max() > 1.0  # O(1) logits: the tolerance is meaningful
     for pid in range(2):
         two_process = np.load(tmp_path / f"logits_{pid}.npy")
         assert two_process.shape == (worker.BATCH, worker.LENGTH, cfg.vocab_size)
         np.testing.assert_allclose(two_process, one_process, atol=1e-4, rtol=0)
+
+
+def test_single_process_helpers_and_config_errors(monkeypatch):
+    from jopd import distributed as D
+    from jopd.configlib import ConfigError, build
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    assert D.maybe_initialize() is False  # nothing asks for several processes
+    assert D.maybe_initialize({"enabled": "off", "coordinator_address": "127.0.0.1:1"}) is False
+    with pytest.raises(ValueError, match=r"DistributedConfig.num_processes: required with coordinator_address"):
+        D.maybe_initialize({"coordinator_address": "127.0.0.1:1"})
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match=r"DistributedConfig.process_id: 2 must be < num_processes 2"):
+        D.maybe_initialize()
+    with pytest.raises(ConfigError, match=r"DistributedConfig.coordinator_address"):
+        build(D.DistributedConfig, {"coordinator_address": "localhost"})
+
+    mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    sh = M.batch_sharding(mesh, M.TRAIN_RULES, (8, 4))
+    assert D.process_batch_slice(8) == slice(0, 8) == D.process_batch_slice(8, sh)
+    local = np.arange(32).reshape(8, 4)
+    (glob,) = D.host_local_to_global((local,), sh)
+    assert glob.sharding == sh
+    np.testing.assert_array_equal(D.gather_to_host(glob), local)
