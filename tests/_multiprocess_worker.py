@@ -50,7 +50,7 @@ def main(out_dir: str) -> None:
     from jopd import distributed, mesh as M
 
     log("initializing")
-    assert distributed.maybe_initialize(), "expected a multi-process job (JAX_COORDINATOR_ADDRESS unset?)"
+    assert distributed.maybe_initialize({"initialization_timeout_s": 60}), "expected a multi-process job (JAX_COORDINATOR_ADDRESS unset?)"
     pid = jax.process_index()
     log(f"process {pid}/{jax.process_count()}: {jax.local_device_count()} local, {jax.device_count()} global")
     mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))

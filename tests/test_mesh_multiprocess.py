@@ -27,7 +27,9 @@ def _run_two_processes(out_dir: Path) -> list[str]:
     port = _free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+        # proxy variables can make gRPC route 127.0.0.1 through a proxy and hang the coordinator handshake
+        env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
+        env = {**env, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                "JAX_PROCESS_ID": str(pid), "PYTHONPATH": str(ROOT)}
         env.pop("XLA_FLAGS", None)  # the worker sets 4 devices itself
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "_multiprocess_worker.py"),
