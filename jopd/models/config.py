@@ -72,6 +72,8 @@ class ModelConfig:
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act={hf.get('hidden_act')!r} is not supported (only 'silu')")
+        if hf.get("attention_bias") and model_type != "qwen2":  # llama/qwen3 then also bias o_proj
+            raise ValueError(f"{source}: attention_bias=true is not supported (it adds an o_proj bias)")
         if model_type == "qwen2" and hf.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not supported")
         rope_scaling = None
@@ -104,8 +106,8 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type != "llama")),
-            qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
+            qkv_bias=(model_type == "qwen2"),
             qk_norm=(model_type == "qwen3"),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             bos_token_id=hf.get("bos_token_id"),

