@@ -1,0 +1,1 @@
+"""Measurement tools: rollout/trainer mismatch, quality rule, screening, reports."""

@@ -1,0 +1,398 @@
+"""KV-cache rollout sampler: left-padded prompts, one prefill pass, then a `lax.while_loop` decode, all through
+the shared `transformer.forward`. Temperature / top-k / top-p / greedy, per-sequence stop tokens, seeded.
+
+The jitted core `sample_padded` takes the params as traced arguments, so one compiled program serves every
+weight sync; it compiles once per (model cfg, precision, sampling cfg, shape bucket). `Sampler` buckets the
+batch and prompt lengths (few distinct shapes), keeps a donated KV-cache buffer per bucket, and draws each
+sequence's randomness from (seed, sequence index): a sequence's sample does not depend on its batch-mates.
+Tokens are drawn by inverse CDF from one uniform per step (two-level over the vocab: no full-vocab cumsum,
+sort or per-token random numbers in the common cases).
+
+Per generated token it returns the processed logprob (log-probability of the sampled token under the
+distribution actually sampled from: after logit noise, temperature, top-k/top-p truncation and
+renormalization; 0 for greedy) and the unprocessed logprob (after noise and temperature only); optionally
+the full unprocessed log-softmax [B, N, V] fp32, for the exact mismatch KL (see `jopd.lab.mismatch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Annotated, Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+from jaxtyping import Array, Bool, Float, Int
+
+from jopd.configlib import config_dataclass
+from jopd.models import transformer
+from jopd.models.config import ModelConfig
+from jopd.precision import PrecisionConfig
+
+@config_dataclass
+class SamplingConfig:
+    """How the rollout engine picks tokens. `seed` only seeds the host-side randomness (`row_randomness`); it is
+    not part of the compiled program."""
+
+    temperature: Annotated[float, pydantic.Field(gt=0)] = 1.0
+    top_k: Annotated[int, pydantic.Field(ge=0)] = 0  # 0: no top-k truncation
+    top_p: Annotated[float, pydantic.Field(gt=0, le=1)] = 1.0  # 1: no nucleus truncation
+    greedy: bool = False  # argmax of the (noisy) logits; processed logprob is 0 (a point mass)
+    max_new_tokens: Annotated[int, pydantic.Field(gt=0)] = 256
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # stop tokens in addition to the model config's eos ids
+    return_full_logprobs: bool = False  # also return the unprocessed log-softmax per step, [B, N, V] fp32
+    # Speed knob, same results: without top-k, a top-p step looks for the nucleus among this many most
+    # probable tokens (partial top-k, not a full sort of the vocab) and falls back to the full sort only
+    # when their mass is below top_p in some row.
+    top_p_candidates: Annotated[int, pydantic.Field(gt=0)] = 128
+
+
+class SampleOutput(NamedTuple):
+    """Rollouts of one batch. Response slot t of row b is real iff t < lengths_B[b] (`response_mask`)."""
+
+    tokens_BxN: Int[Array, "B N"]  # response token ids; pad id after the end
+    lengths_B: Int[Array, "B"]  # number of response tokens, stop token included
+    logprobs_BxN: Float[Array, "B N"]  # processed logprobs of the sampled tokens (0 after the end)
+    unprocessed_logprobs_BxN: Float[Array, "B N"]  # temperature (and noise) only (0 after the end)
+    done_B: Bool[Array, "B"]  # the row ended with a stop token (False: it hit max_new_tokens)
+    full_logprobs_BxNxV: Float[Array, "B N V"] | None = None  # unprocessed log-softmax, if requested
+    cache: Any = None  # the KV-cache buffer (donated in, handed back for reuse)
+
+    @property
+    def response_mask_BxN(self):
+        n = self.tokens_BxN.shape[1]
+        return np.arange(n)[None, :] < np.asarray(self.lengths_B)[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerShardings:
+    """Optional placement on a mesh: `params` a pytree of shardings matching the params, `batch` a sharding
+    for arrays with a leading batch axis, `cache` one for the [L, B, S, K, Dh] cache arrays."""
+
+    params: Any
+    batch: Any
+    cache: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# token choice (pure, per step)
+
+
+class RowRandomness(NamedTuple):
+    """All randomness of one batch, one row per sequence (see `row_randomness`)."""
+
+    uniforms_BxN: Float[Array, "B N"]  # U[0,1): drives the token choice of each step (inverse CDF)
+    noise_key_data_Bx2: Int[Array, "B 2"]  # uint32 threefry key data of the logit noise (unused if sigma=0)
+
+
+def row_randomness(seed: int, indices: Sequence[int] | np.ndarray, max_new_tokens: int) -> RowRandomness:
+    """Per-sequence randomness on the host: numpy's counter-based Philox keyed by (seed, the sequence's global
+    index). A sequence's draws do not depend on its batch-mates or on max_new_tokens (streams are read in
+    order), and the compiled program holds no PRNG code unless logit noise is on (threefry is slow to
+    compile on CPU)."""
+    u = np.empty((len(indices), max_new_tokens), np.float32)
+    k = np.empty((len(indices), 2), np.uint32)
+    for r, i in enumerate(indices):
+        rng = np.random.Generator(np.random.Philox(key=np.array([seed, i], np.uint64)))
+        k[r] = rng.integers(0, 2**32, 2, dtype=np.uint32)
+        u[r] = rng.random(max_new_tokens, dtype=np.float32)
+    return RowRandomness(u, k)
+
+
+def _noise_BxV(noise_key_data_Bx2, t, shape_V):
+    keys = jax.random.wrap_key_data(noise_key_data_Bx2, impl="threefry2x32")
+    return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, t), shape_V, jnp.float32))(keys)
+
+
+def _take(x_BxC, idx_B):
+    return jnp.take_along_axis(x_BxC, idx_B[:, None], axis=1)[:, 0]
+
+
+def _inverse_cdf(probs_BxC, u_B):
+    """Inverse-CDF draw: the first entry with positive mass whose cumulative mass reaches u * total (zero-mass
+    entries are never returned, whatever the rounding of the cumsum). Also returns the position of u inside
+    the chosen entry's interval, rescaled to [0, 1): uniform again, for a second-level draw."""
+    cdf = jnp.cumsum(probs_BxC, axis=1)
+    x = u_B * cdf[:, -1]
+    positive = probs_BxC > 0
+    hit = positive & (cdf >= x[:, None])
+    last = probs_BxC.shape[1] - 1 - jnp.argmax(positive[:, ::-1], axis=1)
+    idx = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), last)
+    p = _take(probs_BxC, idx)
+    residual = (x - (_take(cdf, idx) - p)) / jnp.maximum(p, jnp.finfo(jnp.float32).tiny)
+    return idx, jnp.clip(residual, 0.0, 1.0 - jnp.finfo(jnp.float32).epsneg)
+
+
+def sample_index(probs_BxC: Float[Array, "B C"], u_B: Float[Array, "B"], block: int = 256) -> Int[Array, "B"]:
+    """Draw index i with probability probs[i] / sum(probs) from one uniform u per row (exact up to fp32
+    rounding). Wide rows use two levels (a block by block mass, then an entry inside it), so no cumsum or
+    per-entry random number spans the whole vocabulary."""
+    B, C = probs_BxC.shape
+    if C <= 2 * block:
+        return _inverse_cdf(probs_BxC, u_B)[0]
+    nb = -(-C // block)
+    blocks = jnp.pad(probs_BxC, ((0, 0), (0, nb * block - C))).reshape(B, nb, block)
+    j, u_in = _inverse_cdf(jnp.sum(blocks, axis=2), u_B)
+    inner = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]
+    return j * block + _inverse_cdf(inner, u_in)[0]
+
+
+def _sample_truncated(u_B, vals_BxC, ids_BxC, lse_B, top_p: float):
+    """Nucleus over candidates sorted by decreasing logit: keep the shortest prefix whose probability mass
+    (under exp(val - lse)) reaches top_p, renormalize, sample. Returns (token, processed logprob)."""
+    probs = jnp.exp(vals_BxC - lse_B[:, None])
+    if top_p < 1.0:
+        mass_before = jnp.cumsum(probs, axis=1) - probs
+        vals_BxC = jnp.where(mass_before < top_p, vals_BxC, -jnp.inf)  # the top token is always kept
+    logp_BxC = jax.nn.log_softmax(vals_BxC, axis=1)
+    idx = sample_index(jnp.exp(logp_BxC), u_B)
+    return _take(ids_BxC, idx).astype(jnp.int32), _take(logp_BxC, idx)
+
+
+def choose_tokens(scaled_BxV: Float[Array, "B V"], u_B: Float[Array, "B"], sampling: SamplingConfig):
+    """Pick one token per row from temperature-scaled logits, driven by one uniform u per row.
+    Returns (tokens_B, processed_logprobs_B)."""
+    B, V = scaled_BxV.shape
+    if sampling.greedy:
+        return jnp.argmax(scaled_BxV, axis=1).astype(jnp.int32), jnp.zeros((B,), jnp.float32)
+    top_k = sampling.top_k if 0 < sampling.top_k < V else 0
+    if top_k:  # exact top-k, then top-p on the renormalized top-k distribution (the HF/vLLM order)
+        vals, ids = jax.lax.top_k(scaled_BxV, top_k)
+        return _sample_truncated(u_B, vals, ids, jax.nn.logsumexp(vals, axis=1), sampling.top_p)
+    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=1)
+    if sampling.top_p >= 1.0:
+        tok = sample_index(jnp.exp(logp_BxV), u_B).astype(jnp.int32)
+        return tok, _take(logp_BxV, tok)
+    lse = jax.nn.logsumexp(scaled_BxV, axis=1)
+    c = min(V, sampling.top_p_candidates)
+    vals, ids = jax.lax.top_k(scaled_BxV, c)
+    if c == V:
+        return _sample_truncated(u_B, vals, ids, lse, sampling.top_p)
+    fits = jnp.all(jnp.sum(jnp.exp(vals - lse[:, None]), axis=1) >= sampling.top_p)
+
+    def full_sort(_):
+        v_all, i_all = jax.lax.top_k(scaled_BxV, V)
+        return _sample_truncated(u_B, v_all, i_all, lse, sampling.top_p)
+
+    return jax.lax.cond(fits, lambda _: _sample_truncated(u_B, vals, ids, lse, sampling.top_p), full_sort, None)
+
+
+def _step_logits(logits_BxV, noise_key_data_Bx2, t, precision: PrecisionConfig, temperature: float):
+    """Raw logits (already rounded to the logits dtype) -> noisy, temperature-scaled fp32 logits."""
+    z = logits_BxV.astype(jnp.float32)
+    if precision.logit_noise > 0:  # static skip: sigma == 0 is bit-identical to no noise
+        z = z + precision.logit_noise * _noise_BxV(noise_key_data_Bx2, t, z.shape[1:])
+    return z / temperature
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiled program
+
+
+def sample_padded(
+    params: transformer.Params,
+    prompt_BxP: Int[Array, "B P"],
+    prompt_mask_BxP: Bool[Array, "B P"],
+    rand: RowRandomness,
+    cache: transformer.KVCache,
+    *,
+    cfg: ModelConfig,
+    precision: PrecisionConfig,
+    sampling: SamplingConfig,
+) -> SampleOutput:
+    """Prefill left-padded prompts (every row ends with a real token) and decode up to max_new_tokens.
+
+    `cache` has S = P + max_new_tokens slots; prompt token j sits in slot j, response token t in slot P + t.
+    `rand` holds each row's randomness (`row_randomness`). Pure; `Sampler` jits it with the cache donated.
+    """
+    B, P = prompt_BxP.shape
+    N = sampling.max_new_tokens
+    V = cfg.vocab_size
+    fwd = dict(cfg=cfg, dtype=precision.dtype, logits_dtype=precision.logits_jnp_dtype)
+    stop_ids = jnp.asarray(sorted(set(cfg.eos_ids) | set(sampling.stop_token_ids)) or [-1], jnp.int32)
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids or (0,))[0]
+    mask = prompt_mask_BxP.astype(bool)
+    kv_mask_BxS = jnp.concatenate([mask, jnp.ones((B, N), bool)], axis=1)
+    n_prompt_B = jnp.sum(mask, axis=1, dtype=jnp.int32)
+
+    hidden, cache = transformer.forward(params, prompt_BxP, attn_mask_BxT=mask, cache=cache, cache_index=0,
+                                        positions_BxT=transformer.positions_from_mask(mask),
+                                        kv_mask_BxS=kv_mask_BxS, return_hidden=True, **fwd)
+    logits_BxV = transformer.logits_from_hidden(params, hidden[:, -1:], dtype=precision.dtype,
+                                                logits_dtype=precision.logits_jnp_dtype)[:, 0]
+
+    def pick(logits_BxV, t, done_B):
+        scaled = _step_logits(logits_BxV, rand.noise_key_data_Bx2, t, precision, sampling.temperature)
+        u_B = jax.lax.dynamic_index_in_dim(rand.uniforms_BxN, t, axis=1, keepdims=False)
+        tok, logp = choose_tokens(scaled, u_B, sampling)
+        full = jax.nn.log_softmax(scaled, axis=1)
+        ulogp = _take(full, tok)
+        tok = jnp.where(done_B, pad_id, tok)
+        logp = jnp.where(done_B, 0.0, logp)
+        ulogp = jnp.where(done_B, 0.0, ulogp)
+        return tok, logp, ulogp, full
+
+    def record(state, t, tok, logp, ulogp, full):
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), t, 1)  # noqa: E731
+        state["tokens"] = put(state["tokens"], tok)
+        state["logp"] = put(state["logp"], logp)
+        state["ulogp"] = put(state["ulogp"], ulogp)
+        if sampling.return_full_logprobs:
+            state["full"] = put(state["full"], full)
+        state["lengths"] = state["lengths"] + (~state["done"]).astype(jnp.int32)
+        state["done"] = state["done"] | jnp.isin(tok, stop_ids)
+        state["tok"] = tok
+        return state
+
+    state = {
+        "tokens": jnp.full((B, N), pad_id, jnp.int32),
+        "logp": jnp.zeros((B, N), jnp.float32),
+        "ulogp": jnp.zeros((B, N), jnp.float32),
+        "lengths": jnp.zeros((B,), jnp.int32),
+        "done": jnp.zeros((B,), bool),
+        "tok": jnp.zeros((B,), jnp.int32),
+        "cache": cache,
+        "t": jnp.int32(1),
+    }
+    if sampling.return_full_logprobs:
+        state["full"] = jnp.zeros((B, N, V), jnp.float32)
+    state = record(state, 0, *pick(logits_BxV, jnp.int32(0), state["done"]))
+
+    def cond(state):
+        return (state["t"] < N) & ~jnp.all(state["done"])
+
+    def body(state):
+        t = state["t"]  # feed token t-1 (slot P+t-1), then choose token t
+        logits, state["cache"] = transformer.forward(
+            params, state["tok"][:, None], cache=state["cache"], cache_index=P + t - 1,
+            positions_BxT=(n_prompt_B + t - 1)[:, None], kv_mask_BxS=kv_mask_BxS, **fwd)
+        state = record(state, t, *pick(logits[:, 0], t, state["done"]))
+        state["t"] = t + 1
+        return state
+
+    state = jax.lax.while_loop(cond, body, state)
+    return SampleOutput(tokens_BxN=state["tokens"], lengths_B=state["lengths"], logprobs_BxN=state["logp"],
+                        unprocessed_logprobs_BxN=state["ulogp"], done_B=state["done"],
+                        full_logprobs_BxNxV=state.get("full"), cache=state["cache"])
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side driver: buckets, padding, randomness, cache reuse
+
+
+def bucket_size(n: int, *, minimum: int, pow2_up_to: int) -> int:
+    """Powers of two up to `pow2_up_to`, then multiples of it (few shapes, <= 2x padding)."""
+    n = max(n, minimum)
+    if n <= pow2_up_to:
+        return 1 << (n - 1).bit_length()
+    return math.ceil(n / pow2_up_to) * pow2_up_to
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_new_tokens: int) -> None:
+    if len(prompts) == 0:
+        raise ValueError("prompts: no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}]: empty prompt")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_new_tokens={max_new_tokens} exceed the model "
+                             f"context of {cfg.max_position_embeddings} tokens")
+
+
+def _program_precision(precision: PrecisionConfig) -> PrecisionConfig:
+    # Weight quantization / noise act on the params (prepare_sampler_params), not on the program.
+    return dataclasses.replace(precision, weight_quant="none", weight_noise=0.0)
+
+
+def _program_sampling(sampling: SamplingConfig) -> SamplingConfig:
+    return dataclasses.replace(sampling, seed=0)  # the seed only enters through `row_randomness`
+
+
+def _bind(cfg, precision, sampling):
+    def fn(params, prompt_BxP, prompt_mask_BxP, rand, cache):
+        return sample_padded(params, prompt_BxP, prompt_mask_BxP, rand, cache, cfg=cfg, precision=precision,
+                             sampling=sampling)
+    return fn
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(cfg: ModelConfig, precision: PrecisionConfig, sampling: SamplingConfig):
+    """One jitted program per static setup, shared by all `Sampler`s (jit then caches per shape bucket)."""
+    return jax.jit(_bind(cfg, precision, sampling), donate_argnums=(4,))
+
+
+class Sampler:
+    """Rollout engine for one (model cfg, precision, sampling cfg); params are passed per call.
+
+        sampler = Sampler(cfg, SamplingConfig(top_p=0.9, max_new_tokens=64), precision)
+        rollout_params = prepare_sampler_params(params, precision, key)   # once per weight sync
+        out = sampler.generate(rollout_params, [[1, 2, 3], [4, 5]], seed=0)  # numpy SampleOutput, B = 2
+    """
+
+    def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, precision: PrecisionConfig | None = None, *,
+                 shardings: SamplerShardings | None = None, keep_cache: bool = True,
+                 min_prompt_bucket: int = 8, batch_pow2_up_to: int = 64, prompt_pow2_up_to: int = 256):
+        self.cfg = cfg
+        self.sampling = sampling
+        self.precision = precision or PrecisionConfig()
+        self.shardings = shardings
+        self.keep_cache = keep_cache
+        self._buckets = (min_prompt_bucket, batch_pow2_up_to, prompt_pow2_up_to)
+        self._caches: dict[tuple[int, int], transformer.KVCache] = {}
+        if shardings is None:
+            self._fn = _compiled(cfg, _program_precision(self.precision), _program_sampling(sampling))
+        else:
+            b, c = shardings.batch, shardings.cache
+            out = SampleOutput(b, b, b, b, b, b if sampling.return_full_logprobs else None, {"k": c, "v": c})
+            self._fn = jax.jit(_bind(cfg, _program_precision(self.precision), _program_sampling(sampling)),
+                               donate_argnums=(4,), in_shardings=(shardings.params, b, b, b, {"k": c, "v": c}),
+                               out_shardings=out)
+
+    def new_cache(self, batch: int, slots: int) -> transformer.KVCache:
+        cache = transformer.init_cache(self.cfg, batch, slots, self.precision.cache_dtype)
+        if self.shardings is not None:
+            cache = jax.device_put(cache, {"k": self.shardings.cache, "v": self.shardings.cache})
+        return cache
+
+    def sample_padded(self, params, prompt_BxP, prompt_mask_BxP, rand: RowRandomness) -> SampleOutput:
+        """Run the compiled program on an already padded batch (device arrays out, cache reused)."""
+        B, P = prompt_BxP.shape
+        slots = P + self.sampling.max_new_tokens
+        cache = self._caches.pop((B, slots), None)
+        if cache is None:
+            cache = self.new_cache(B, slots)
+        out = self._fn(params, prompt_BxP, prompt_mask_BxP, rand, cache)
+        if self.keep_cache:
+            self._caches[(B, slots)] = out.cache
+        return out._replace(cache=None)
+
+    def pad(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Left-pad to the (batch, prompt length) bucket; filler rows get a single token so none is empty."""
+        min_p, b_pow2, p_pow2 = self._buckets
+        B = bucket_size(len(prompts), minimum=1, pow2_up_to=b_pow2)
+        P = bucket_size(max(len(p) for p in prompts), minimum=min_p, pow2_up_to=p_pow2)
+        toks = np.zeros((B, P), np.int32)
+        mask = np.zeros((B, P), bool)
+        mask[len(prompts):, -1] = True
+        for i, p in enumerate(prompts):
+            toks[i, P - len(p):] = p
+            mask[i, P - len(p):] = True
+        return toks, mask
+
+    def generate(self, params, prompts: Sequence[Sequence[int]], *, seed: int | None = None,
+                 first_index: int = 0) -> SampleOutput:
+        """Sample completions of token-id prompts; sequence i is seeded by (seed, first_index + i).
+        Returns a numpy `SampleOutput` with exactly len(prompts) rows."""
+        check_prompts(prompts, self.cfg, self.sampling.max_new_tokens)
+        toks, mask = self.pad(prompts)
+        seed = self.sampling.seed if seed is None else seed
+        rand = row_randomness(seed, first_index + np.arange(toks.shape[0]), self.sampling.max_new_tokens)
+        if self.shardings is not None:
+            toks, mask, rand = jax.device_put((toks, mask, rand), self.shardings.batch)
+        out = self.sample_padded(params, toks, mask, rand)
+        n = len(prompts)
+        return SampleOutput(*(None if x is None else np.asarray(x)[:n] for x in out[:-1]), cache=None)
