@@ -137,6 +137,21 @@ def apply_rope(x_BxTxNxDh: jax.Array, positions_BxT: Int[Array, "B T"], inv_freq
     return x_BxTxNxDh * cos + rotated * sin
 
 
+BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split the batch (jopd.mesh's `batch` rule)
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+    """Pin an activation's leading (batch) dim to the data x fsdp mesh axes, other dims left to XLA, when traced
+    under a mesh context (`with jax.set_mesh(mesh)`); a no-op without one. Without it GSPMD may resolve the
+    conflict between a batch-split activation and an fsdp-split weight by gathering the batch, not the weight."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names) if not mesh.empty else ()
+    if not axes:
+        return x
+    spec = jax.sharding.PartitionSpec(axes, *([jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def _precision(dtype) -> jax.lax.Precision:
     # fp32 compute means fp32 matmuls also on TPU (whose default is bf16 passes); lower dtypes use DEFAULT.
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -222,6 +237,7 @@ def forward(
     dtype=jnp.float32,
     logits_dtype=jnp.float32,
     return_hidden: bool = False,
+    remat: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None).
 
@@ -229,6 +245,8 @@ def forward(
     With a cache of S slots, the T new tokens occupy slots [cache_index, cache_index + T) and attend to
     slots j <= their own where `kv_mask_BxS[j]` is set (the caller marks real tokens, the new ones included).
     Positions default to `positions_from_mask(attn_mask)` (or 0..T-1 without a mask).
+    `remat` recomputes each layer in the backward pass (`jax.checkpoint` on the scanned layer): the gradient
+    then keeps only each layer's input [B,T,D], not its attention scores and MLP activations.
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -236,7 +254,7 @@ def forward(
     if positions_BxT is None:
         positions_BxT = positions_from_mask(attn_mask_BxT)
     inv_freq = rope_inv_freq(cfg)
-    x = params["embed"].astype(dtype)[tokens_BxT]
+    x = constrain_batch(params["embed"].astype(dtype)[tokens_BxT])
     if cache is None:
         causal = jnp.tril(jnp.ones((T, T), bool))
         mask = causal[None] & attn_mask_BxT[:, None, :].astype(bool)
@@ -252,7 +270,7 @@ def forward(
         lp, i = layer
         if kc is None:
             x, _, _ = _layer(cfg, lp, x, positions_BxT, inv_freq, None, None, 0, mask, dtype)
-            return (x, None, None), None
+            return (constrain_batch(x), None, None), None
         k_l = jax.lax.dynamic_index_in_dim(kc, i, 0, keepdims=False)
         v_l = jax.lax.dynamic_index_in_dim(vc, i, 0, keepdims=False)
         x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, mask, dtype)
@@ -261,8 +279,10 @@ def forward(
         new_v = jax.lax.dynamic_slice_in_dim(v_l, cache_index, T, axis=1)
         kc = jax.lax.dynamic_update_slice(kc, new_k[None], (i, 0, cache_index, 0, 0))
         vc = jax.lax.dynamic_update_slice(vc, new_v[None], (i, 0, cache_index, 0, 0))
-        return (x, kc, vc), None
+        return (constrain_batch(x), kc, vc), None
 
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)  # prevent_cse=False is safe (and faster) inside scan
     kc = cache["k"] if cache is not None else None
     vc = cache["v"] if cache is not None else None
     (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (params["layers"], jnp.arange(cfg.num_layers)))
