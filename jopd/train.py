@@ -93,8 +93,14 @@ def build(cfg: RunConfig, log=print) -> tuple[Engines, TrainState]:
     total_steps = cfg.train.steps
     optimizer = make_optimizer(cfg.optim, total_steps)
     state = init_train_state(student_params, optimizer, jax.random.key(cfg.train.seed))
+    # Scalars (step, rng, optimizer counts) are created on one device; every sharding of the train step must
+    # lie on the mesh's devices, so replicate them over it.
+    replicated = meshlib.activation_sharding((), mesh, train_rules)
+    state = jax.tree.map(lambda x: x if len(x.sharding.device_set) > 1 or len(mesh.devices.flat) == 1
+                         else jax.device_put(x, replicated), state)
     state_sh = meshlib.shardings_of(state)
-    batch_sh = meshlib.batch_sharding(mesh, sample_rules, ndim=2)
+    # Rank-1 spec (leading dim over data x fsdp, the rest replicated): valid for the sampler's [B] outputs too.
+    batch_sh = meshlib.batch_sharding(mesh, sample_rules, ndim=1)
     cache_sh = meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"]
 
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
@@ -104,7 +110,8 @@ def build(cfg: RunConfig, log=print) -> tuple[Engines, TrainState]:
     precision = cfg.rollout_precision
     sync = jax.jit(lambda p, k: prepare_sampler_params(p, precision, k), out_shardings=sample_sh)
     dtype = DTYPES[cfg.student.dtype]
-    step_fn = make_train_step(rollout_loss_fn(student_cfg, loss_cfg, dtype), optimizer, cfg.optim.grad_accum_steps)
+    step_fn = make_train_step(rollout_loss_fn(student_cfg, loss_cfg, dtype, remat=cfg.train.remat), optimizer,
+                              cfg.optim.grad_accum_steps)
     train_step = jax.jit(step_fn, in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
     eng = Engines(cfg, tokenizer, student_cfg, teacher_cfg, teacher_params, loss_cfg, mesh, state_sh, sampler, sync,
                   train_step, batch_sh)
@@ -187,8 +194,9 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
     with PreemptionGuard() as guard:
         for step in bar:
             batch = next(data_it)
-            lb, out = rollout_and_score(eng, state, batch, step)
-            state, metrics = eng.train_step(state, lb)
+            with jax.set_mesh(eng.mesh):  # activations' batch constraints (transformer.constrain_batch)
+                lb, out = rollout_and_score(eng, state, batch, step)
+                state, metrics = eng.train_step(state, lb)
             if pending is not None:
                 flush(pending)  # previous step's metrics: read while this step runs
             pending = (step + 1, metrics, t_last, out)
