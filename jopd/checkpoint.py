@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import signal
 import threading
-from pathlib import Path
+import os
 from typing import Any, NamedTuple
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 import pydantic
+from etils import epath
 from jax.experimental import multihost_utils
 
 from jopd.configlib import config_dataclass
@@ -62,6 +63,12 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def checkpoint_directory(path: str) -> epath.Path:
+    """A local directory made absolute, or a cloud URI (gs://bucket/run) kept as is: `pathlib` would collapse
+    its '//' (orbax and grain write through `etils.epath`; gs:// needs the gcsfs package)."""
+    return epath.Path(path) if "://" in path else epath.Path(os.path.abspath(path))
+
+
 class Checkpointer:
     """Orbax CheckpointManager wrapper: save every K steps, keep the last N, restore the latest."""
 
@@ -69,7 +76,7 @@ class Checkpointer:
         if not cfg.dir:
             raise ValueError("CheckpointConfig.dir: not set (checkpointing needs a directory)")
         self.cfg = cfg
-        self.directory = Path(cfg.dir).absolute()
+        self.directory = checkpoint_directory(cfg.dir)
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                                create=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=options)
