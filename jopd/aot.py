@@ -1,0 +1,402 @@
+"""Ahead-of-time compile of one OPD step for a device topology, with per-device memory: size a TPU pod run
+before paying for it.
+
+Each jitted stage of `jopd.train` (weight sync, sampler, teacher scoring, train step) is built from the same
+functions, rules and dtypes the trainer uses, lowered with abstract inputs only (`jax.ShapeDtypeStruct`s that
+carry their shardings; no weights read, nothing allocated) and compiled for the target devices: a TPU topology
+described by libtpu (`topology_devices("v5e:4x4")`, from any machine, no TPU needed) or the local devices.
+
+XLA's `memory_analysis()` gives each program's per-device bytes (arguments, outputs, aliased, temporaries,
+generated code). While one stage runs, buffers owned by the others stay alive (the train state while
+sampling, the teacher while training, the kept KV cache, ...); `resident` adds those, from shapes and
+shardings, so `peak = total + resident` is what must fit in the device's HBM (`HBM_GIB_PER_CHIP`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from jopd import mesh as meshlib
+from jopd.config import ModelSource, RunConfig
+from jopd.models import io, transformer
+from jopd.models.config import ModelConfig
+from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
+from jopd.objectives import rollout_loss_fn
+from jopd.optim import make_optimizer
+from jopd.precision import prepare_sampler_params
+from jopd.rollout import loss_batch, score_with_teacher, sequence_layout
+from jopd.sampler import RowRandomness, Sampler, SamplerShardings
+from jopd.train_step import TrainState, init_train_state, make_train_step
+
+# HBM per chip (GiB) by `device.device_kind`, with the chip's usual name. Public figures: v4 32 GiB,
+# v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB. A chip may appear as several devices (v4 topologies list
+# each TensorCore): the budget per device is the chip's HBM divided by its devices.
+HBM_GIB_PER_CHIP: dict[str, tuple[str, float]] = {
+    "TPU v4": ("v4", 32.0),
+    "TPU v5 lite": ("v5e", 16.0),
+    "TPU v5e": ("v5e", 16.0),
+    "TPU v5": ("v5p", 95.0),
+    "TPU v5p": ("v5p", 95.0),
+    "TPU v6 lite": ("v6e", 32.0),
+    "TPU v6e": ("v6e", 32.0),
+}
+STAGES: tuple[str, ...] = ("weight_sync", "sample", "teacher_scoring", "train_step")
+GiB = 1 << 30
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # ModelSource.dtype, as `models_setup.DTYPES`
+
+
+# ---------------------------------------------------------------------------------------------
+# devices and their memory
+
+
+def topology_devices(name: str) -> list:
+    """The devices of a TPU topology such as "v5e:2x2", "v5e:4x4", "v5p:2x2x2" (libtpu's names: chip type,
+    then the chip grid), described by libtpu without any TPU attached. Compile-only: nothing can run on them."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ValueError(f"--topology {name}: needs libtpu (pip install 'jopd[tpu]', i.e. jax[tpu]); "
+                         f"without --topology the stages compile for the local devices")
+    # Compiling needs no chip: do not wait for the lock of another process that holds libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    except Exception as e:  # libtpu raises its own error types for bad names
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--topology {name}: not a TPU topology libtpu knows ({first}); "
+                         f"examples: v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:2x2") from None
+    return list(topo.devices)
+
+
+def devices_per_chip(devices: Sequence[Any]) -> int:
+    coords = {tuple(d.coords) for d in devices if getattr(d, "coords", None) is not None}
+    return max(1, len(devices) // len(coords)) if coords else 1
+
+
+def hbm_bytes_per_device(devices: Sequence[Any]) -> int | None:
+    """HBM budget of one device from `HBM_GIB_PER_CHIP`, or None for an unknown kind (e.g. CPU)."""
+    kind = devices[0].device_kind
+    if kind not in HBM_GIB_PER_CHIP:
+        return None
+    return int(HBM_GIB_PER_CHIP[kind][1] * GiB) // devices_per_chip(devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# model architectures without weights
+
+
+def model_config_of(src: ModelSource, role: str) -> ModelConfig:
+    """The architecture of a run's model from metadata only: an HF directory's `config.json` (weights need not
+    be there: `configs/arch/<name>/` holds config-only directories of real models), a .gguf's metadata, or,
+    for `path: null`, the testbed recipe (`arch` with the toy tokenizer's vocabulary)."""
+    if src.path is None:
+        from jopd.data.toy_tokenizer import build_toy_tokenizer
+        from jopd.models_setup import testbed_model_config
+
+        return testbed_model_config(src, build_toy_tokenizer())
+    p = Path(src.path)
+    if not p.exists():
+        raise FileNotFoundError(f"RunConfig.{role}.path: {p} does not exist (for sizing, point it at a directory "
+                                f"with the model's config.json, e.g. configs/arch/qwen3-8b)")
+    if p.is_dir():
+        has_weights = (p / SINGLE_FILE).is_file() or (p / INDEX_FILE).is_file()
+        if not has_weights:
+            return read_hf_config(p)
+    return io.open_checkpoint(p)[0]  # validates every tensor's shape against the config (metadata only)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(transformer.abstract_params(cfg)))
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Per-device bytes of one compiled program, from XLA's `memory_analysis()`."""
+
+    argument: int
+    output: int
+    alias: int  # outputs written into donated arguments (counted once)
+    temp: int
+    generated_code: int
+
+    @property
+    def total(self) -> int:
+        return self.argument + self.output - self.alias + self.temp + self.generated_code
+
+    @classmethod
+    def of(cls, compiled) -> "StageMemory":
+        m = compiled.memory_analysis()
+        return cls(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
+                   alias=int(m.alias_size_in_bytes), temp=int(m.temp_size_in_bytes),
+                   generated_code=int(m.generated_code_size_in_bytes))
+
+
+@dataclasses.dataclass
+class StageReport:
+    name: str
+    memory: StageMemory | None  # None when the compiler itself refused the program (out of memory)
+    resident: dict[str, int]  # bytes per device of other stages' buffers alive meanwhile, by buffer
+    compile_s: float
+    error: str | None = None
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.memory is None else self.memory.total + sum(self.resident.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        mem = dataclasses.asdict(self.memory) | {"total": self.memory.total} if self.memory else None
+        return {"name": self.name, "memory": mem, "resident": self.resident,
+                "resident_total": sum(self.resident.values()), "peak": self.peak,
+                "compile_s": round(self.compile_s, 2), "error": self.error}
+
+
+@dataclasses.dataclass
+class AotReport:
+    target: str  # topology name, or "local"
+    device_kind: str
+    num_devices: int
+    devices_per_chip: int
+    hbm_per_device: int | None
+    mesh: dict[str, int]
+    models: dict[str, dict[str, Any]]
+    shapes: dict[str, int]
+    buffers: dict[str, int]  # long-lived buffers, bytes per device
+    stages: list[StageReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stages"] = [s.to_dict() for s in self.stages]
+        d["fits"] = not self.failures()
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def failures(self) -> list[str]:
+        """One line per stage that does not fit (compiler refusal, or peak above the HBM budget)."""
+        out = []
+        where = f"{self.device_kind} ({self.target})"
+        for s in self.stages:
+            if s.error is not None:
+                out.append(f"stage {s.name}: the compiler rejected it for {where}: {s.error}")
+            elif self.hbm_per_device is not None and s.peak > self.hbm_per_device:
+                out.append(f"stage {s.name}: needs {_gib(s.peak)} GiB per device (program {_gib(s.memory.total)} + "
+                           f"held by other stages {_gib(sum(s.resident.values()))}) > {_gib(self.hbm_per_device)} "
+                           f"GiB HBM of {where}")
+        return out
+
+    def table(self) -> str:
+        biggest = max([s.peak or 0 for s in self.stages] + list(self.buffers.values()) + [1])
+        unit, scale = ("GiB", GiB) if biggest >= GiB // 4 else ("MiB", 1 << 20)
+        num = lambda n: "-" if n is None else f"{n / scale:.2f}"  # noqa: E731
+        hbm = f"{self.hbm_per_device / GiB:.2f} GiB HBM per device" if self.hbm_per_device else "HBM unknown"
+        chips = f", {self.devices_per_chip} devices per chip" if self.devices_per_chip > 1 else ""
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
+        lines = [f"target {self.target}: {self.num_devices} x {self.device_kind} ({hbm}{chips}), mesh {mesh}"]
+        for role, m in self.models.items():
+            lines.append(f"{role}: {m['family']} {m['params'] / 1e9:.3f}B params, {m['dtype']}, {m['source']}")
+        lines.append("shapes: " + " ".join(f"{k}={v}" for k, v in self.shapes.items()))
+        lines.append(f"long-lived buffers per device ({unit}): "
+                     + ", ".join(f"{k} {num(v)}" for k, v in self.buffers.items()))
+        head = ("stage", "argument", "output", "alias", "temp", "code", "total", "+held", "=peak", "HBM", "fits")
+        rows = [head]
+        hbm_cell = num(self.hbm_per_device)
+        for s in self.stages:
+            if s.memory is None:
+                rows.append((s.name, *["-"] * 8, hbm_cell, "NO"))
+                continue
+            m = s.memory
+            fits = "-" if self.hbm_per_device is None else ("yes" if s.peak <= self.hbm_per_device else "NO")
+            rows.append((s.name, *(num(x) for x in (m.argument, m.output, m.alias, m.temp, m.generated_code,
+                                                    m.total, sum(s.resident.values()), s.peak)), hbm_cell, fits))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                  for i, (c, w) in enumerate(zip(r, widths)))
+        lines.append(f"per-device memory ({unit}); +held = buffers of other stages alive meanwhile:")
+        lines += [fmt(r) for r in rows]
+        lines += [f"  {s.name}: {s.error}" for s in self.stages if s.error]
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def check_fits(report: AotReport) -> None:
+    """Raise ValueError listing every stage that does not fit the devices' HBM."""
+    failures = report.failures()
+    if failures:
+        raise ValueError("does not fit: " + "; ".join(failures) + ". Use more chips (a larger fsdp axis), a "
+                         "smaller data.batch_size or sequence lengths, optim.grad_accum_steps, bf16 weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# the stages, built as jopd.train builds them, lowered from abstract inputs
+
+
+def _abstract(tree, shardings):
+    return meshlib.sharded_abstract(tree, shardings)
+
+
+def _bytes(tree) -> int:
+    """Per-device bytes of a pytree of sharded ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        itemsize = x.dtype.itemsize  # also defined for typed PRNG keys (their key data)
+        total += math.prod(x.sharding.shard_shape(x.shape)) * itemsize
+    return total
+
+
+def abstract_train_state(params_abs, optimizer: optax.GradientTransformation, mesh) -> TrainState:
+    """`init_train_state` traced on abstract params (`jax.eval_shape`), with shardings: optimizer moments take
+    their param's sharding (what `jax.jit(optimizer.init)` propagates in the trainer), scalars replicate."""
+    state = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(0)), params_abs)
+    rep = NamedSharding(mesh, P())
+    param_sh = jax.tree.map(lambda x: x.sharding, params_abs)
+    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, state.opt_state, param_sh,
+                                   transform_non_params=lambda _: rep)
+    shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep)
+    return _abstract(state, shardings)
+
+
+def _batched(tree, mesh, rules):
+    """Attach the batch sharding (leading dim over data x fsdp) to every leaf of an eval_shape result."""
+    return _abstract(tree, meshlib.batch_shardings(tree, mesh, rules))
+
+
+def _compile(name: str, lowered_fn) -> tuple[Any, float, str | None]:
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered_fn().compile()
+    except Exception as e:  # XLA's TPU compiler refuses programs that exceed HBM (RESOURCE_EXHAUSTED)
+        msg = str(e)
+        if "RESOURCE_EXHAUSTED" not in msg and "memory" not in msg.lower():
+            raise
+        lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+        return None, time.perf_counter() - t0, " ".join(lines[:2])[:400]
+    return compiled, time.perf_counter() - t0, None
+
+
+def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, target: str = "local",
+                     stages: Sequence[str] = STAGES, hbm_bytes: int | None = None,
+                     progress: bool = True) -> AotReport:
+    """Compile the requested stages of one OPD step of `cfg` for `devices` (default: the local devices) and
+    report per-device memory. `hbm_bytes` overrides the HBM budget per device (default: `HBM_GIB_PER_CHIP`)."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"stages: unknown {unknown} (choose from {', '.join(STAGES)})")
+    devices = list(jax.devices() if devices is None else devices)
+    s_cfg = model_config_of(cfg.student, "student")
+    t_cfg = model_config_of(cfg.teacher, "teacher")
+    if s_cfg.vocab_size != t_cfg.vocab_size:
+        raise ValueError(f"teacher/student vocab mismatch: teacher vocab_size={t_cfg.vocab_size}, "
+                         f"student vocab_size={s_cfg.vocab_size}")
+    B, Pl, N = cfg.data.batch_size, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    for role, m in (("student", s_cfg), ("teacher", t_cfg)):
+        if Pl + N > m.max_position_embeddings:
+            raise ValueError(f"data.max_prompt_len + sampling.max_new_tokens = {Pl + N} exceeds the {role}'s "
+                             f"context of {m.max_position_embeddings} tokens")
+
+    mesh = meshlib.make_mesh(cfg.mesh, devices)
+    train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
+    rep = NamedSharding(mesh, P())
+    s_dtype, t_dtype = DTYPES[cfg.student.dtype], DTYPES[cfg.teacher.dtype]
+    precision = cfg.rollout_precision
+    loss_cfg = dataclasses.replace(cfg.loss, temperature=cfg.sampling.temperature)  # as train.resolve_loss_config
+    sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact")
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+
+    # Long-lived buffers, abstract and sharded exactly as jopd.train.build places them.
+    student_sh = meshlib.param_shardings(s_cfg, mesh, train_rules)
+    teacher_sh = meshlib.param_shardings(t_cfg, mesh, train_rules)
+    sample_sh = meshlib.param_shardings(s_cfg, mesh, sample_rules)
+    state = abstract_train_state(_abstract(transformer.abstract_params(s_cfg, s_dtype), student_sh), optimizer, mesh)
+    teacher = _abstract(transformer.abstract_params(t_cfg, t_dtype), teacher_sh)
+    sampler_params = _abstract(transformer.abstract_params(s_cfg, precision.dtype), sample_sh)
+    # Leading dim over data x fsdp, the rest replicated: a rank-1 spec, valid for the sampler's [B] outputs too.
+    batch_sh = meshlib.batch_sharding(mesh, sample_rules, (B,), where="data.batch_size")
+    cache_sh = meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"]
+    cache = _abstract(jax.eval_shape(lambda: transformer.init_cache(s_cfg, B, Pl + N, precision.cache_dtype)),
+                      {"k": cache_sh, "v": cache_sh})
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
+
+    # Per-step data: sampler inputs, its outputs, the teacher-scored loss batch (shapes from the real functions).
+    sds = jax.ShapeDtypeStruct
+    prompt = sds((B, Pl), jnp.int32, sharding=batch_sh)
+    prompt_mask = sds((B, Pl), jnp.bool_, sharding=batch_sh)
+    rand = RowRandomness(sds((B, N), jnp.float32, sharding=batch_sh), sds((B, 2), jnp.uint32, sharding=batch_sh))
+    sampler = Sampler(s_cfg, sampling, precision,
+                      shardings=SamplerShardings(params=sample_sh, batch=batch_sh, cache=cache_sh))
+    # `Sampler._fn` is the sampler's jitted program with its in/out shardings: the one the trainer runs.
+    sample_out = jax.eval_shape(sampler._fn, sampler_params, prompt, prompt_mask, rand, cache)
+    rollout = _batched({k: v for k, v in sample_out._asdict().items() if k != "cache" and v is not None},
+                       mesh, sample_rules)
+    layout = _batched(jax.eval_shape(sequence_layout, prompt, prompt_mask, rollout["tokens_BxN"],
+                                     rollout["lengths_B"]), mesh, sample_rules)
+    score_kw = dict(teacher_cfg=t_cfg, loss_cfg=loss_cfg, full_teacher_logits=loss_cfg.kind in ("rkl", "fkl", "jsd"))
+    scores = _batched(jax.eval_shape(lambda tp, lay: score_with_teacher(tp, lay, **score_kw), teacher, layout),
+                      mesh, sample_rules)
+    is_lp = rollout["unprocessed_logprobs_BxN" if cfg.train.is_logprobs == "unprocessed" else "logprobs_BxN"]
+    batch = loss_batch(layout, scores, sampler_logprobs_BxN=is_lp,
+                       sampler_full_logprobs_BxNxV=rollout.get("full_logprobs_BxNxV"))
+
+    sync = jax.jit(lambda p, k: prepare_sampler_params(p, precision, k), out_shardings=sample_sh)
+    step_fn = make_train_step(rollout_loss_fn(s_cfg, loss_cfg, s_dtype, remat=cfg.train.remat), optimizer, cfg.optim.grad_accum_steps)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    train_step = jax.jit(step_fn, in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
+
+    buffers = {"train_state": _bytes(state), "teacher_params": _bytes(teacher),
+               "sampler_params": _bytes(sampler_params), "kv_cache": _bytes(cache), "rollout": _bytes(rollout)}
+    opt_and_rest = buffers["train_state"] - _bytes(state.params)
+    # What is alive during each stage besides its own arguments/outputs (jopd.train's loop: the sampler keeps
+    # its KV cache between steps; sampler params and rollouts live until the train step is dispatched).
+    programs = {
+        "weight_sync": (lambda: sync.lower(state.params, key),
+                        {"opt_state": opt_and_rest, "teacher_params": buffers["teacher_params"],
+                         "kv_cache": buffers["kv_cache"]}),
+        "sample": (lambda: sampler._fn.lower(sampler_params, prompt, prompt_mask, rand, cache),
+                   {"train_state": buffers["train_state"], "teacher_params": buffers["teacher_params"]}),
+        "teacher_scoring": (lambda: score_with_teacher.lower(teacher, layout, **score_kw),
+                            {k: buffers[k] for k in ("train_state", "sampler_params", "kv_cache", "rollout")}),
+        "train_step": (lambda: train_step.lower(state, batch),
+                       {"teacher_params": buffers["teacher_params"], "kv_cache": buffers["kv_cache"]}),
+    }
+    reports = []
+    bar = tqdm([s for s in STAGES if s in stages], desc=f"AOT compile ({target})", disable=not progress,
+               dynamic_ncols=True, leave=False)
+    for name in bar:
+        bar.set_postfix_str(name)
+        lower, resident = programs[name]
+        with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
+            compiled, secs, error = _compile(name, lower)
+        reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
+                                   error))
+
+    models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
+                     "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
+                     "vocab": m.vocab_size}
+              for role, m, src in (("student", s_cfg, cfg.student), ("teacher", t_cfg, cfg.teacher))}
+    shapes = {"batch": B, "prompt_len": Pl, "new_tokens": N, "top_k": loss_cfg.top_k,
+              "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
+    return AotReport(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
+                     devices_per_chip=devices_per_chip(devices),
+                     hbm_per_device=hbm_bytes if hbm_bytes is not None else hbm_bytes_per_device(devices),
+                     mesh=dict(mesh.shape), models=models, shapes=shapes, buffers=buffers, stages=reports)

@@ -1,0 +1,56 @@
+"""Size a run before paying for it: ahead-of-time compile one OPD step for a TPU topology and report per-device memory.
+
+    jopd aot configs/qwen3_1p7b_from_8b_v5e.yaml --topology v5e:4x4 [--out report.json] [key=value ...]
+
+Compiles the trainer's jitted stages (weight sync, sampler, teacher scoring, train step) from abstract inputs
+only (no weights are read: a model path may be a directory holding just config.json, e.g. configs/arch/qwen3-8b)
+for the given TPU topology (needs libtpu: pip install 'jopd[tpu]'; no TPU needed) or, without --topology, for
+the local devices. Prints per-device memory per stage; exits with an error if a stage does not fit in HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jopd.aot import STAGES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run config")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.batch_size=128 mesh.tensor=2")
+    p.add_argument("--topology", default=None,
+                   help="TPU topology to compile for, as libtpu names it: v5e:2x2, v5e:4x4 (v5litepod-16), "
+                        "v5p:2x2x2 (v5p-16), v4:2x2x1, v6e:4x4 (default: the local devices)")
+    p.add_argument("--out", default=None, help="also write the report as JSON (bytes per device) to this file")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--hbm-gib", type=float, default=None,
+                   help="HBM per device in GiB (default: from the device kind; unknown kinds are not checked)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    if args.topology is not None and not os.environ.get("JAX_PLATFORMS"):
+        # The topology supplies the compile target; the host backend only traces. On a TPU VM this also
+        # keeps the tool off chips that a training run may be using.
+        jax.config.update("jax_platforms", "cpu")
+    from jopd.aot import check_fits, compile_opd_step, topology_devices
+    from jopd.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # validation errors surface before any compile
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if args.hbm_gib is not None and args.hbm_gib <= 0:
+        raise ValueError(f"--hbm-gib: must be positive, got {args.hbm_gib}")
+    devices = topology_devices(args.topology) if args.topology else None
+    report = compile_opd_step(cfg, devices, target=args.topology or "local", stages=stages,
+                              hbm_bytes=None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30)),
+                              progress=sys.stderr.isatty())
+    print(report.table())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report.to_json() + "\n")
+        print(f"wrote {args.out}")
+    check_fits(report)
+    return 0
