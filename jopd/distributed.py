@@ -6,6 +6,8 @@ over the mesh; jitted functions then see the global batch.
 
 Env (used where the config leaves a field unset): JAX_COORDINATOR_ADDRESS ("host:port" of process 0),
 JAX_NUM_PROCESSES, JAX_PROCESS_ID. On a TPU pod none are needed: JAX detects them from the TPU metadata.
+JOPD_DISTRIBUTED=on|off|auto overrides an "auto" config: Cloud TPU VMs made with gcloud keep the worker list
+in their metadata server, not in TPU_WORKER_HOSTNAMES, so `tpu_scripts/run.sh` sets JOPD_DISTRIBUTED=on.
 """
 
 from __future__ import annotations
@@ -57,8 +59,13 @@ def _env_int(name: str) -> int | None:
 def config_from_env(base: DistributedConfig | None = None) -> DistributedConfig:
     """`base` with unset fields filled from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID."""
     base = base or DistributedConfig()
+    enabled = base.enabled
+    if enabled == "auto" and os.environ.get("JOPD_DISTRIBUTED"):
+        enabled = os.environ["JOPD_DISTRIBUTED"]
+        if enabled not in ("auto", "on", "off"):
+            raise ValueError(f"environment variable JOPD_DISTRIBUTED: expected auto, on or off, got {enabled!r}")
     return DistributedConfig(
-        enabled=base.enabled,
+        enabled=enabled,
         coordinator_address=base.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None,
         num_processes=base.num_processes if base.num_processes is not None else _env_int("JAX_NUM_PROCESSES"),
         process_id=base.process_id if base.process_id is not None else _env_int("JAX_PROCESS_ID"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jopd.checkpoint import checkpoint_directory
+from jopd.distributed import DistributedConfig, config_from_env
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "tpu_scripts"
 COMMANDS = ["create.sh", "setup.sh", "run.sh", "stop.sh", "teardown.sh"]
@@ -130,6 +131,7 @@ def test_run_launches_the_same_command_on_every_worker(fake_gcloud):
     remote = ssh[ssh.index("--command") + 1]
     assert "jopd-venv/bin/jopd train configs/qwen3_1p7b_from_8b_v5e.yaml checkpoint.dir=gs://b/run\\ 1" in remote
     assert "coordinator" not in remote  # JAX finds the pod's workers itself
+    assert "env JOPD_DISTRIBUTED=on " in remote  # ... once asked to join a distributed job
 
 
 def test_dry_run_prints_without_calling(fake_gcloud):
@@ -144,3 +146,14 @@ def test_checkpoint_dir_keeps_cloud_uris(tmp_path, monkeypatch):
     assert str(checkpoint_directory("gs://bucket/jopd/run")) == "gs://bucket/jopd/run"
     monkeypatch.chdir(tmp_path)
     assert str(checkpoint_directory("runs/x")) == str(tmp_path / "runs" / "x")
+
+
+def test_jopd_distributed_env_turns_auto_on(monkeypatch):
+    monkeypatch.setenv("JOPD_DISTRIBUTED", "on")
+    assert config_from_env().enabled == "on"
+    assert config_from_env(DistributedConfig(enabled="off")).enabled == "off"  # an explicit config wins
+    monkeypatch.setenv("JOPD_DISTRIBUTED", "yes")
+    with pytest.raises(ValueError, match="JOPD_DISTRIBUTED: expected auto, on or off, got 'yes'"):
+        config_from_env()
+    monkeypatch.delenv("JOPD_DISTRIBUTED")
+    assert config_from_env().enabled == "auto"

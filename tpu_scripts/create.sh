@@ -11,6 +11,7 @@ USAGE="create.sh NAME ZONE ACCELERATOR_TYPE RUNTIME_VERSION [--spot] [--tpu-vm] 
   --tpu-vm          create the TPU VM directly (gcloud compute tpus tpu-vm create), not a queued resource
   --no-wait         return once the request is made
 env: PROJECT (default: gcloud's configured project), DRY_RUN=1 (print the gcloud commands only)"
+# shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [ "$#" -ge 4 ] || usage "missing arguments"

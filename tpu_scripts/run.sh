@@ -10,6 +10,7 @@ arguments). The run is detached (nohup): follow it with
   gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=0 --command 'tail -f ~/jopd-train.log'
 It resumes from the latest checkpoint in checkpoint.dir if there is one.
 env: PROJECT, DRY_RUN=1 (print the gcloud commands only)"
+# shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [ "$#" -ge 3 ] || usage "missing arguments"
@@ -23,7 +24,9 @@ done
 need_gcloud
 gcloud_scope "${ZONE}"
 
-cmd="\$HOME/jopd-venv/bin/jopd train $(printf '%q ' "${CONFIG}" "$@")"
+# JOPD_DISTRIBUTED=on: every worker joins one jax.distributed job (JAX reads the worker list from the TPU
+# metadata server); it also runs JAX's preemption service, so all workers checkpoint the same step.
+cmd="env JOPD_DISTRIBUTED=on \$HOME/jopd-venv/bin/jopd train $(printf '%q ' "${CONFIG}" "$@")"
 echo "launching on every worker of ${NAME}: ${cmd}" >&2
 run gcloud compute tpus tpu-vm ssh "${NAME}" "${SCOPE[@]}" --worker=all --command \
   "cd ~/jopd && if pgrep -f '[j]opd-venv/bin/jopd train' >/dev/null; then echo \"a jopd run is already running on \$(hostname) (tpu_scripts/stop.sh stops it)\"; exit 1; fi; \

@@ -7,6 +7,7 @@ USAGE="setup.sh NAME ZONE [REPO] [--data DIR]
               git archive); default: the checkout holding this script
   --data DIR  also copy a local data directory (e.g. GSM8K JSONL files) to ~/jopd/data/ on every worker
 env: PROJECT, DRY_RUN=1 (print the gcloud commands only), PYTHON (worker interpreter, default python3.11)"
+# shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [ "$#" -ge 2 ] || usage "missing arguments"

@@ -5,6 +5,7 @@ set -euo pipefail
 USAGE="stop.sh NAME ZONE
   NAME, ZONE  the TPU slice running the job (see run.sh)
 env: PROJECT, DRY_RUN=1 (print the gcloud commands only)"
+# shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [ "$#" -eq 2 ] || usage "expected NAME ZONE"

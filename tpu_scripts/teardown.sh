@@ -4,6 +4,7 @@ set -euo pipefail
 USAGE="teardown.sh NAME ZONE
   NAME, ZONE  the TPU slice (see create.sh). Checkpoints in gs:// are kept; local disks are deleted.
 env: PROJECT, DRY_RUN=1 (print the gcloud commands only)"
+# shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [ "$#" -eq 2 ] || usage "expected NAME ZONE"
