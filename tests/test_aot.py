@@ -62,8 +62,9 @@ def test_compiled_sizes_match_shapes_and_shardings(fsdp8):
     b = fsdp8.buffers
     assert 3 * train_bytes < b["train_state"] <= 3 * train_bytes + 64  # params, Adam mu and nu; a few scalars
     assert b["sampler_params"] == sample_bytes
-    assert stage["weight_sync"].argument == train_bytes + 8  # trainer params + the noise key's data
-    assert stage["weight_sync"].output == sample_bytes
+    assert stage["weight_sync"].argument == train_bytes  # the trainer params (jit drops the unused noise key)
+    n_leaves = len(jax.tree.leaves(shapes))
+    assert sample_bytes <= stage["weight_sync"].output <= sample_bytes + 8 * n_leaves  # + the output tuple's table
     assert stage["train_step"].alias == b["train_state"]  # the donated state is updated in place
 
 
@@ -157,18 +158,20 @@ def test_remat_and_batch_constraint_keep_the_gradient():
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
-    params = transformer.init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, 64)
+    rng = np.random.default_rng(0)  # numpy init: no PRNG program to compile
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.2, s.shape), jnp.float32),
+                          transformer.abstract_params(cfg))
+    tokens = jnp.asarray(rng.integers(0, 64, (8, 12)), jnp.int32)
 
     def loss(p, remat):
         logits, _ = transformer.forward(p, tokens, cfg=cfg, remat=remat)
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-    g_ref = jax.grad(loss)(params, False)
-    g_remat = jax.grad(loss)(params, True)
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    g_ref, g_remat = grad(params, False), grad(params, True)
     mesh = meshlib.make_mesh(meshlib.MeshConfig(data=2, fsdp=4))
-    with jax.set_mesh(mesh):
-        g_mesh = jax.jit(jax.grad(loss), static_argnums=1)(params, True)
+    with jax.set_mesh(mesh):  # a new trace: the batch constraint applies
+        g_mesh = grad(params, True)
     for a, b, c in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_remat), jax.tree.leaves(g_mesh)):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
@@ -186,7 +189,8 @@ def test_tpu_topology():
                                   stages=["weight_sync", "train_step"], progress=False)
     assert report.hbm_per_device == 16 * aot.GiB and not report.failures()
     train = report.stages[1].memory
-    assert train.generated_code > 0 and train.alias == report.buffers["train_state"]
+    # TPU pads small arrays to its (8, 128) tiles: the donated state takes at least its raw bytes.
+    assert train.generated_code > 0 and train.alias >= report.buffers["train_state"]
     assert math.isclose(report.buffers["train_state"] * 4, aot.compile_opd_step(
         tiny_cfg("mesh.data=4", "mesh.fsdp=1"), devices, stages=["weight_sync"], progress=False
     ).buffers["train_state"], rel_tol=0.01)
