@@ -345,8 +345,7 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     rand = RowRandomness(sds((B, N), jnp.float32, sharding=batch_sh), sds((B, 2), jnp.uint32, sharding=batch_sh))
     sampler = Sampler(s_cfg, sampling, precision,
                       shardings=SamplerShardings(params=sample_sh, batch=batch_sh, cache=cache_sh))
-    # `Sampler._fn` is the sampler's jitted program with its in/out shardings: the one the trainer runs.
-    sample_out = jax.eval_shape(sampler._fn, sampler_params, prompt, prompt_mask, rand, cache)
+    sample_out = jax.eval_shape(sampler.program, sampler_params, prompt, prompt_mask, rand, cache)
     rollout = _batched({k: v for k, v in sample_out._asdict().items() if k != "cache" and v is not None},
                        mesh, sample_rules)
     layout = _batched(jax.eval_shape(sequence_layout, prompt, prompt_mask, rollout["tokens_BxN"],
@@ -359,7 +358,8 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                        sampler_full_logprobs_BxNxV=rollout.get("full_logprobs_BxNxV"))
 
     sync = jax.jit(lambda p, k: prepare_sampler_params(p, precision, k), out_shardings=sample_sh)
-    step_fn = make_train_step(rollout_loss_fn(s_cfg, loss_cfg, s_dtype, remat=cfg.train.remat), optimizer, cfg.optim.grad_accum_steps)
+    step_fn = make_train_step(rollout_loss_fn(s_cfg, loss_cfg, s_dtype, remat=cfg.train.remat), optimizer,
+                              cfg.optim.grad_accum_steps)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     train_step = jax.jit(step_fn, in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
 
@@ -372,7 +372,7 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         "weight_sync": (lambda: sync.lower(state.params, key),
                         {"opt_state": opt_and_rest, "teacher_params": buffers["teacher_params"],
                          "kv_cache": buffers["kv_cache"]}),
-        "sample": (lambda: sampler._fn.lower(sampler_params, prompt, prompt_mask, rand, cache),
+        "sample": (lambda: sampler.program.lower(sampler_params, prompt, prompt_mask, rand, cache),
                    {"train_state": buffers["train_state"], "teacher_params": buffers["teacher_params"]}),
         "teacher_scoring": (lambda: score_with_teacher.lower(teacher, layout, **score_kw),
                             {k: buffers[k] for k in ("train_state", "sampler_params", "kv_cache", "rollout")}),

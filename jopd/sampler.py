@@ -352,6 +352,12 @@ class Sampler:
                                donate_argnums=(4,), in_shardings=(shardings.params, b, b, b, {"k": c, "v": c}),
                                out_shardings=out)
 
+    @property
+    def program(self):
+        """The jitted `sample_padded` program this sampler runs (with its shardings, cache donated); e.g.
+        `sampler.program.lower(params, prompt, mask, rand, cache)` compiles it ahead of time (`jopd.aot`)."""
+        return self._fn
+
     def new_cache(self, batch: int, slots: int) -> transformer.KVCache:
         cache = transformer.init_cache(self.cfg, batch, slots, self.precision.cache_dtype)
         if self.shardings is not None:

@@ -197,9 +197,10 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
             with jax.set_mesh(eng.mesh):  # activations' batch constraints (transformer.constrain_batch)
                 lb, out = rollout_and_score(eng, state, batch, step)
                 state, metrics = eng.train_step(state, lb)
+            del lb  # freed once the step ran, not held through the next rollout ([B,N,V] with mismatch=exact)
             if pending is not None:
                 flush(pending)  # previous step's metrics: read while this step runs
-            pending = (step + 1, metrics, t_last, out)
+            pending = (step + 1, metrics, t_last, out._replace(full_logprobs_BxNxV=None))  # only what flush reads
             t_last = time.perf_counter()
             done = step + 1
             stop = guard.should_stop(done)
