@@ -94,7 +94,7 @@ def build(cfg: RunConfig, log=print) -> tuple[Engines, TrainState]:
     optimizer = make_optimizer(cfg.optim, total_steps)
     state = init_train_state(student_params, optimizer, jax.random.key(cfg.train.seed))
     state_sh = meshlib.shardings_of(state)
-    batch_sh = meshlib.batch_sharding(mesh, sample_rules, ndim=2)
+    batch_sh = meshlib.batch_sharding(mesh, sample_rules, ndim=1)  # P(batch): valid for any rank >= 1
     cache_sh = meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"]
 
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
