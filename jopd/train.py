@@ -167,15 +167,23 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         before = run_eval(eng, state.params, "before", out_dir)
     writer.write(start, before, prefix="eval/")
 
-    pending: tuple[int, dict, float, Any] | None = None
+    pending: tuple | None = None
     bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps, desc="OPD", dynamic_ncols=True,
                disable=not is_main)
     t_last = time.perf_counter()
 
+    rollouts = open(out_dir / "rollouts.jsonl", "a", buffering=1) if is_main else None
+
     def flush(pending):
-        step, metrics, t0, out = pending
+        step, metrics, t0, out, batch = pending
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         lengths = np.asarray(jax.device_get(out.lengths_B))
+        if rollouts is not None:
+            tokens = np.asarray(jax.device_get(out.tokens_BxN))
+            texts = [eng.tokenizer.decode(tokens[b, :lengths[b]]) for b in range(min(cfg.train.log_rollouts, len(tokens)))]
+            rollouts.write(json.dumps({"step": step, "index": batch["index"].tolist(), "lengths": lengths.tolist(),
+                                       "examples": [{"question": str(q), "response": r} for q, r in
+                                                    zip(batch["question"], texts)]}) + "\n")
         dt = time.perf_counter() - t0
         m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
               "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
@@ -191,7 +199,7 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
             state, metrics = eng.train_step(state, lb)
             if pending is not None:
                 flush(pending)  # previous step's metrics: read while this step runs
-            pending = (step + 1, metrics, t_last, out)
+            pending = (step + 1, metrics, t_last, out, batch)
             t_last = time.perf_counter()
             done = step + 1
             stop = guard.should_stop(done)
@@ -205,6 +213,8 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         if pending is not None:
             flush(pending)
     ckpt.wait()
+    if rollouts is not None:
+        rollouts.close()
     final_step = int(jax.device_get(state.step))
     summary: dict[str, Any] = {"steps": final_step, "before": before}
     if final_step >= cfg.train.steps:
