@@ -40,7 +40,7 @@ from jopd.optim import make_optimizer
 from jopd.precision import prepare_sampler_params
 from jopd.rollout import loss_batch, score_with_teacher, sequence_layout
 from jopd.sampler import RowRandomness, Sampler, SamplerShardings
-from jopd.train_step import TrainState, init_train_state, make_train_step
+from jopd.train_step import TrainState, init_train_state, make_train_step, opt_state_shardings
 
 # HBM per chip (GiB) by `device.device_kind`, with the chip's usual name. Public figures: v4 32 GiB,
 # v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB. A chip may appear as several devices (v4 topologies list
@@ -266,14 +266,12 @@ def _bytes(tree) -> int:
 
 
 def abstract_train_state(params_abs, optimizer: optax.GradientTransformation, mesh) -> TrainState:
-    """`init_train_state` traced on abstract params (`jax.eval_shape`), with shardings: optimizer moments take
-    their param's sharding (what `jax.jit(optimizer.init)` propagates in the trainer), scalars replicate."""
+    """`init_train_state` traced on abstract params (`jax.eval_shape`), with the trainer's shardings: optimizer
+    moments take their param's sharding (`train_step.opt_state_shardings`), scalars are replicated."""
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(0)), params_abs)
     rep = NamedSharding(mesh, P())
-    param_sh = jax.tree.map(lambda x: x.sharding, params_abs)
-    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, state.opt_state, param_sh,
-                                   transform_non_params=lambda _: rep)
-    shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep)
+    shardings = TrainState(step=rep, params=jax.tree.map(lambda x: x.sharding, params_abs),
+                           opt_state=opt_state_shardings(optimizer, params_abs), rng=rep)
     return _abstract(state, shardings)
 
 

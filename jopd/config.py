@@ -73,6 +73,7 @@ class TrainConfig:
     # Mask positions whose target is a special/chat-template token of the tokenizer (EOS excepted, so the
     # student still learns when to stop); an explicit loss.special_token_ids list takes precedence.
     mask_special_tokens: bool = True
+    log_rollouts: int = pydantic.Field(2, ge=0)  # responses decoded into rollouts.jsonl per step (ids always)
     cache_dir: str | None = None  # testbed model cache; None -> $JOPD_CACHE or ~/.cache/jopd
     # Recompute each layer's activations in the backward pass (jax.checkpoint per scanned layer): ~1/3 more
     # train-step compute for a fraction of the activation memory; needed at real scale (see `jopd aot`).

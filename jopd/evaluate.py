@@ -18,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jopd.data.answers import is_correct
-from jopd.data.pipeline import DataConfig, heldout_dataset
+from jopd.data.pipeline import DataConfig, heldout_dataset, load_problems
 from jopd.losses.chunked import head_params
 from jopd.losses.divergences import reverse_kl
 from jopd.models import transformer
@@ -87,7 +87,7 @@ def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cf
     """Sample one response per held-out problem (randomness keyed by the problem id), then score it."""
     sampler = Sampler(s_cfg, dataclasses.replace(sampling, return_full_logprobs=False))
     idx, kls, correct, lens, texts = [], [], [], [], []
-    total = min(max_problems, len(heldout_dataset(data_cfg, tokenizer)) * data_cfg.eval_batch_size)
+    total = min(max_problems, len(load_problems(data_cfg, "heldout")))
     bar = tqdm(total=total, desc=desc, dynamic_ncols=True, leave=False)
     for batch in heldout_dataset(data_cfg, tokenizer):
         keep = batch["valid"] & (batch["index"] < max_problems)

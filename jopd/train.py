@@ -93,14 +93,8 @@ def build(cfg: RunConfig, log=print) -> tuple[Engines, TrainState]:
     total_steps = cfg.train.steps
     optimizer = make_optimizer(cfg.optim, total_steps)
     state = init_train_state(student_params, optimizer, jax.random.key(cfg.train.seed))
-    # Scalars (step, rng, optimizer counts) are created on one device; every sharding of the train step must
-    # lie on the mesh's devices, so replicate them over it.
-    replicated = meshlib.activation_sharding((), mesh, train_rules)
-    state = jax.tree.map(lambda x: x if len(x.sharding.device_set) > 1 or len(mesh.devices.flat) == 1
-                         else jax.device_put(x, replicated), state)
     state_sh = meshlib.shardings_of(state)
-    # Rank-1 spec (leading dim over data x fsdp, the rest replicated): valid for the sampler's [B] outputs too.
-    batch_sh = meshlib.batch_sharding(mesh, sample_rules, ndim=1)
+    batch_sh = meshlib.batch_sharding(mesh, sample_rules, ndim=1)  # P(batch): valid for any rank >= 1
     cache_sh = meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"]
 
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
@@ -174,15 +168,23 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         before = run_eval(eng, state.params, "before", out_dir)
     writer.write(start, before, prefix="eval/")
 
-    pending: tuple[int, dict, float, Any] | None = None
+    pending: tuple | None = None
     bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps, desc="OPD", dynamic_ncols=True,
                disable=not is_main)
     t_last = time.perf_counter()
 
+    rollouts = open(out_dir / "rollouts.jsonl", "a", buffering=1) if is_main else None
+
     def flush(pending):
-        step, metrics, t0, out = pending
+        step, metrics, t0, out, batch = pending
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         lengths = np.asarray(jax.device_get(out.lengths_B))
+        if rollouts is not None:
+            tokens = np.asarray(jax.device_get(out.tokens_BxN))
+            texts = [eng.tokenizer.decode(tokens[b, :lengths[b]]) for b in range(min(cfg.train.log_rollouts, len(tokens)))]
+            rollouts.write(json.dumps({"step": step, "index": batch["index"].tolist(), "lengths": lengths.tolist(),
+                                       "examples": [{"question": str(q), "response": r} for q, r in
+                                                    zip(batch["question"], texts)]}) + "\n")
         dt = time.perf_counter() - t0
         m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
               "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
@@ -200,7 +202,7 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
             del lb  # freed once the step ran, not held through the next rollout ([B,N,V] with mismatch=exact)
             if pending is not None:
                 flush(pending)  # previous step's metrics: read while this step runs
-            pending = (step + 1, metrics, t_last, out._replace(full_logprobs_BxNxV=None))  # only what flush reads
+            pending = (step + 1, metrics, t_last, out._replace(full_logprobs_BxNxV=None), batch)  # what flush reads
             t_last = time.perf_counter()
             done = step + 1
             stop = guard.should_stop(done)
@@ -214,6 +216,8 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         if pending is not None:
             flush(pending)
     ckpt.wait()
+    if rollouts is not None:
+        rollouts.close()
     final_step = int(jax.device_get(state.step))
     summary: dict[str, Any] = {"steps": final_step, "before": before}
     if final_step >= cfg.train.steps:

@@ -26,10 +26,35 @@ class TrainState:
     rng: jax.Array  # typed PRNG key; split per step for sampling / noise
 
 
+def _replicated(params: Params) -> jax.sharding.NamedSharding | None:
+    leaves = jax.tree.leaves(params)
+    sh = getattr(leaves[0], "sharding", None) if leaves else None
+    if not isinstance(sh, jax.sharding.NamedSharding):
+        return None
+    return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params):
+    """Shardings of the optimizer state: params-shaped leaves (Adam moments) take their param's sharding,
+    the rest (counters) are replicated. None if the params are not on a mesh."""
+    replicated = _replicated(params)
+    if replicated is None:
+        return None
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    abstract = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, param_sh,
+                                 transform_non_params=lambda _: replicated)
+
+
 def init_train_state(params: Params, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-    # jit so the optimizer moments inherit the params' shardings instead of landing on one device.
-    opt_state = jax.jit(optimizer.init)(params)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=rng)
+    # Explicit out_shardings: zeros_like() does not depend on its input's values, so XLA would not propagate
+    # the params' layout to the moments on its own (they would land whole on one device).
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params))(params)
+    step = jnp.zeros((), jnp.int32)
+    replicated = _replicated(params)
+    if replicated is not None:  # scalars live on the same mesh, replicated, so one jit sees one device set
+        step, rng = jax.device_put((step, rng), replicated)
+    return TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
 
 
 def _split_microbatches(batch: Batch, n: int) -> Batch:
