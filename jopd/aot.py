@@ -307,34 +307,63 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     if s_cfg.vocab_size != t_cfg.vocab_size:
         raise ValueError(f"teacher/student vocab mismatch: teacher vocab_size={t_cfg.vocab_size}, "
                          f"student vocab_size={s_cfg.vocab_size}")
-    B, Pl, N = cfg.data.batch_size, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    context = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
     for role, m in (("student", s_cfg), ("teacher", t_cfg)):
-        if Pl + N > m.max_position_embeddings:
-            raise ValueError(f"data.max_prompt_len + sampling.max_new_tokens = {Pl + N} exceeds the {role}'s "
+        if context > m.max_position_embeddings:
+            raise ValueError(f"data.max_prompt_len + sampling.max_new_tokens = {context} exceeds the {role}'s "
                              f"context of {m.max_position_embeddings} tokens")
-
     mesh = meshlib.make_mesh(cfg.mesh, devices)
+    programs, buffers = stage_programs(cfg, s_cfg, t_cfg, mesh)
+
+    reports = []
+    bar = tqdm([s for s in STAGES if s in stages], desc=f"AOT compile ({target})", disable=not progress,
+               dynamic_ncols=True, leave=False)
+    for name in bar:
+        bar.set_postfix_str(name)
+        lower, resident = programs[name]
+        with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
+            compiled, secs, error = _compile(name, lower)
+        reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
+                                   error))
+
+    models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
+                     "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
+                     "vocab": m.vocab_size}
+              for role, m, src in (("student", s_cfg, cfg.student), ("teacher", t_cfg, cfg.teacher))}
+    shapes = {"batch": cfg.data.batch_size, "prompt_len": cfg.data.max_prompt_len,
+              "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
+              "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
+    return AotReport(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
+                     devices_per_chip=devices_per_chip(devices),
+                     hbm_per_device=hbm_bytes if hbm_bytes is not None else hbm_bytes_per_device(devices),
+                     mesh=dict(mesh.shape), models=models, shapes=shapes, buffers=buffers, stages=reports)
+
+
+def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh):
+    """The stages as `jopd.train.build` jits them, each with a thunk lowering it from abstract inputs and the
+    bytes per device of other stages' buffers alive while it runs. Returns ({stage: (lower, resident)},
+    {long-lived buffer: bytes per device})."""
+    B, Pl, N = cfg.data.batch_size, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
     train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
-    rep = NamedSharding(mesh, P())
     s_dtype, t_dtype = DTYPES[cfg.student.dtype], DTYPES[cfg.teacher.dtype]
     precision = cfg.rollout_precision
     loss_cfg = dataclasses.replace(cfg.loss, temperature=cfg.sampling.temperature)  # as train.resolve_loss_config
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact")
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
 
-    # Long-lived buffers, abstract and sharded exactly as jopd.train.build places them.
+    # Long-lived buffers, abstract and sharded as jopd.train.build places them.
     student_sh = meshlib.param_shardings(s_cfg, mesh, train_rules)
-    teacher_sh = meshlib.param_shardings(t_cfg, mesh, train_rules)
     sample_sh = meshlib.param_shardings(s_cfg, mesh, sample_rules)
     state = abstract_train_state(_abstract(transformer.abstract_params(s_cfg, s_dtype), student_sh), optimizer, mesh)
-    teacher = _abstract(transformer.abstract_params(t_cfg, t_dtype), teacher_sh)
+    teacher = _abstract(transformer.abstract_params(t_cfg, t_dtype), meshlib.param_shardings(t_cfg, mesh, train_rules))
     sampler_params = _abstract(transformer.abstract_params(s_cfg, precision.dtype), sample_sh)
     # Leading dim over data x fsdp, the rest replicated: a rank-1 spec, valid for the sampler's [B] outputs too.
     batch_sh = meshlib.batch_sharding(mesh, sample_rules, (B,), where="data.batch_size")
     cache_sh = meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"]
     cache = _abstract(jax.eval_shape(lambda: transformer.init_cache(s_cfg, B, Pl + N, precision.cache_dtype)),
                       {"k": cache_sh, "v": cache_sh})
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=NamedSharding(mesh, P()))
 
     # Per-step data: sampler inputs, its outputs, the teacher-scored loss batch (shapes from the real functions).
     sds = jax.ShapeDtypeStruct
@@ -363,38 +392,17 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
 
     buffers = {"train_state": _bytes(state), "teacher_params": _bytes(teacher),
                "sampler_params": _bytes(sampler_params), "kv_cache": _bytes(cache), "rollout": _bytes(rollout)}
-    opt_and_rest = buffers["train_state"] - _bytes(state.params)
-    # What is alive during each stage besides its own arguments/outputs (jopd.train's loop: the sampler keeps
-    # its KV cache between steps; sampler params and rollouts live until the train step is dispatched).
+    held = lambda *names: {k: buffers[k] for k in names}  # noqa: E731
+    # jopd.train's loop: the sampler keeps its KV cache between steps; the sampler params and the rollout live
+    # until the train step is dispatched; the train state is donated to (and replaced by) the train step.
     programs = {
         "weight_sync": (lambda: sync.lower(state.params, key),
-                        {"opt_state": opt_and_rest, "teacher_params": buffers["teacher_params"],
-                         "kv_cache": buffers["kv_cache"]}),
+                        {"opt_state": buffers["train_state"] - _bytes(state.params)}
+                        | held("teacher_params", "kv_cache")),
         "sample": (lambda: sampler.program.lower(sampler_params, prompt, prompt_mask, rand, cache),
-                   {"train_state": buffers["train_state"], "teacher_params": buffers["teacher_params"]}),
+                   held("train_state", "teacher_params")),
         "teacher_scoring": (lambda: score_with_teacher.lower(teacher, layout, **score_kw),
-                            {k: buffers[k] for k in ("train_state", "sampler_params", "kv_cache", "rollout")}),
-        "train_step": (lambda: train_step.lower(state, batch),
-                       {"teacher_params": buffers["teacher_params"], "kv_cache": buffers["kv_cache"]}),
+                            held("train_state", "sampler_params", "kv_cache", "rollout")),
+        "train_step": (lambda: train_step.lower(state, batch), held("teacher_params", "kv_cache")),
     }
-    reports = []
-    bar = tqdm([s for s in STAGES if s in stages], desc=f"AOT compile ({target})", disable=not progress,
-               dynamic_ncols=True, leave=False)
-    for name in bar:
-        bar.set_postfix_str(name)
-        lower, resident = programs[name]
-        with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
-            compiled, secs, error = _compile(name, lower)
-        reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
-                                   error))
-
-    models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
-                     "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
-                     "vocab": m.vocab_size}
-              for role, m, src in (("student", s_cfg, cfg.student), ("teacher", t_cfg, cfg.teacher))}
-    shapes = {"batch": B, "prompt_len": Pl, "new_tokens": N, "top_k": loss_cfg.top_k,
-              "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
-    return AotReport(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
-                     devices_per_chip=devices_per_chip(devices),
-                     hbm_per_device=hbm_bytes if hbm_bytes is not None else hbm_bytes_per_device(devices),
-                     mesh=dict(mesh.shape), models=models, shapes=shapes, buffers=buffers, stages=reports)
+    return programs, buffers
