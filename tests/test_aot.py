@@ -168,13 +168,19 @@ def test_remat_and_batch_constraint_keep_the_gradient():
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
     grad = jax.jit(jax.grad(loss), static_argnums=1)
-    g_ref, g_remat = grad(params, False), grad(params, True)
+    g_ref = grad(params, False)
     mesh = meshlib.make_mesh(meshlib.MeshConfig(data=2, fsdp=4))
-    with jax.set_mesh(mesh):  # a new trace: the batch constraint applies
-        g_mesh = grad(params, True)
-    for a, b, c in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_remat), jax.tree.leaves(g_mesh)):
-        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
+    with jax.set_mesh(mesh):  # a new trace, with the batch constraint applied
+        g_new = grad(params, True)
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_new)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    # The constraint is in the program only under a mesh: the embedding output and the scanned layer's output,
+    # batch over (data, fsdp), the other dims left to XLA ({?}).
+    fwd = jax.jit(lambda p: transformer.forward(p, tokens, cfg=cfg)[0])
+    assert "sharding_constraint" not in fwd.lower(params).as_text()
+    with jax.set_mesh(mesh):
+        constraints = [ln for ln in fwd.lower(params).as_text().splitlines() if "sharding_constraint" in ln]
+    assert len(constraints) == 2 and all('[{"data", "fsdp"}, {?}, {?}]' in ln for ln in constraints)
 
 
 def test_tpu_topology():
