@@ -1,6 +1,8 @@
 """Size a run before paying for it: ahead-of-time compile one OPD step for a TPU topology and report per-device memory.
 
-    jopd aot configs/qwen3_1p7b_from_8b_v5e.yaml --topology v5e:4x4 [--out report.json] [key=value ...]
+    jopd aot configs/qwen3_1p7b_from_8b_v5e.yaml [key=value ...] --topology v5e:4x4 [--out report.json]
+
+(overrides follow the config directly, before the options)
 
 Compiles the trainer's jitted stages (weight sync, sampler, teacher scoring, train step) from abstract inputs
 only (no weights are read: a model path may be a directory holding just config.json, e.g. configs/arch/qwen3-8b)
