@@ -45,9 +45,8 @@ class SamplingConfig:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # stop tokens in addition to the model config's eos ids
     return_full_logprobs: bool = False  # also return the unprocessed log-softmax per step, [B, N, V] fp32
-    # Speed knob, same results: without top-k, a top-p step looks for the nucleus among this many most
-    # probable tokens (partial top-k, not a full sort of the vocab) and falls back to the full sort only
-    # when their mass is below top_p in some row.
+    # Speed knob, same results: the top-p cut bisects until at most this many tokens sit at the boundary,
+    # then ranks those exactly (no sort of the vocabulary; see `nucleus_threshold`).
     top_p_candidates: Annotated[int, pydantic.Field(gt=0)] = 128
 
 
@@ -141,44 +140,95 @@ def sample_index(probs_BxC: Float[Array, "B C"], u_B: Float[Array, "B"], block: 
     return j * block + _inverse_cdf(inner, u_in)[0]
 
 
-def _sample_truncated(u_B, vals_BxC, ids_BxC, lse_B, top_p: float):
-    """Nucleus over candidates sorted by decreasing logit: keep the shortest prefix whose probability mass
-    (under exp(val - lse)) reaches top_p, renormalize, sample. Returns (token, processed logprob)."""
-    probs = jnp.exp(vals_BxC - lse_B[:, None])
-    if top_p < 1.0:
-        mass_before = jnp.cumsum(probs, axis=1) - probs
-        vals_BxC = jnp.where(mass_before < top_p, vals_BxC, -jnp.inf)  # the top token is always kept
-    logp_BxC = jax.nn.log_softmax(vals_BxC, axis=1)
-    idx = sample_index(jnp.exp(logp_BxC), u_B)
-    return _take(ids_BxC, idx).astype(jnp.int32), _take(logp_BxC, idx)
+def _order_key(z: jax.Array) -> jax.Array:
+    """int32 key with the order of the float32 values (sign-magnitude -> two's complement)."""
+    bits = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def nucleus_threshold(z_BxC: Float[Array, "B C"], lse_B: Float[Array, "B"], top_p: float, bracket: int,
+                      blind_steps: int = 6):
+    """Top-p cut without sorting: the smallest kept logit z* per row, where token v is kept iff the probability
+    mass of the tokens strictly more probable than v, under p = exp(z - lse), is below top_p (the sorted-prefix
+    rule, with tied tokens kept or dropped together).
+
+    Bisection on the order key of the threshold narrows a bracket (lo, hi] with mass(z > hi) < top_p <=
+    mass(z > lo) until it holds at most `bracket` tokens (or a single value); those few are then ranked
+    exactly with a top-k. Each step is one pass over the row: the first `blind_steps` update only the masses
+    (a sort of the vocabulary is far slower on CPU); later steps also count the bracket, to know when to stop.
+    """
+    B, C = z_BxC.shape
+    c = min(bracket, C)
+    p = jnp.exp(z_BxC - lse_B[:, None])
+    keys = _order_key(z_BxC)
+    hi = jnp.max(keys, axis=1)  # mass strictly above the max is 0 < top_p
+    # Tokens with z <= lse + log((1 - top_p) / C) - 1 hold at most (1 - top_p) / e of the mass, so the mass
+    # above that value is >= top_p + 0.63 (1 - top_p): a valid lower end, far from rounding trouble.
+    lo = _order_key(lse_B + math.log((1.0 - top_p) / C) - 1.0)
+
+    def wide(lo, hi):  # more than one representable value left in (lo, hi]
+        return jax.lax.bitcast_convert_type(hi - lo, jnp.uint32) > 1  # hi >= lo; the difference may wrap
+
+    def bisect(lo, hi, m_hi, go):
+        mid = lo + jax.lax.shift_right_logical(hi - lo, 1)  # exact midpoint, even when hi - lo wraps
+        above = keys > mid[:, None]
+        m_mid = jnp.sum(jnp.where(above, p, 0.0), axis=1)
+        down = go & (m_mid < top_p)  # the threshold is <= mid
+        up = go & ~(m_mid < top_p)
+        return jnp.where(up, mid, lo), jnp.where(down, mid, hi), jnp.where(down, m_mid, m_hi)
+
+    def blind(_, s):
+        lo, hi, m_hi = s
+        return bisect(lo, hi, m_hi, wide(lo, hi))
+
+    lo, hi, m_hi = jax.lax.fori_loop(0, blind_steps, blind, (lo, hi, jnp.zeros((B,), jnp.float32)))
+
+    def count(lo, hi):
+        return jnp.sum((keys > lo[:, None]) & (keys <= hi[:, None]), axis=1, dtype=jnp.int32)
+
+    def counted(s):
+        lo, hi, m_hi, n = s
+        lo, hi, m_hi = bisect(lo, hi, m_hi, (n > c) & wide(lo, hi))
+        return lo, hi, m_hi, count(lo, hi)
+
+    lo, hi, m_hi, _ = jax.lax.while_loop(lambda s: jnp.any((s[3] > c) & wide(s[0], s[1])), counted,
+                                         (lo, hi, m_hi, count(lo, hi)))
+    in_bracket = (keys > lo[:, None]) & (keys <= hi[:, None])
+    vals, _ = jax.lax.top_k(jnp.where(in_bracket, z_BxC, -jnp.inf), c)
+    pv = jnp.exp(vals - lse_B[:, None])
+    strictly_above = m_hi[:, None] + jnp.sum(jnp.where(vals[:, None, :] > vals[:, :, None], pv[:, None, :], 0.0),
+                                             axis=2)
+    keep = (vals > -jnp.inf) & (strictly_above < top_p)
+    return jnp.min(jnp.where(keep, vals, jnp.inf), axis=1)
+
+
+def _sample_above(u_B, z_BxC, lse_B, z_star_B):
+    """Sample among entries with z >= z* (renormalized). Returns (index, processed logprob)."""
+    kept = z_BxC >= z_star_B[:, None]
+    p = jnp.where(kept, jnp.exp(z_BxC - lse_B[:, None]), 0.0)
+    idx = sample_index(p, u_B)
+    return idx, _take(z_BxC, idx) - lse_B - jnp.log(jnp.sum(p, axis=1))
 
 
 def choose_tokens(scaled_BxV: Float[Array, "B V"], u_B: Float[Array, "B"], sampling: SamplingConfig):
-    """Pick one token per row from temperature-scaled logits, driven by one uniform u per row.
+    """Pick one token per row from temperature-scaled logits, driven by one uniform u per row: argmax (greedy),
+    or temperature -> top-k -> top-p on the renormalized top-k -> renormalize -> inverse-CDF draw.
     Returns (tokens_B, processed_logprobs_B)."""
     B, V = scaled_BxV.shape
     if sampling.greedy:
         return jnp.argmax(scaled_BxV, axis=1).astype(jnp.int32), jnp.zeros((B,), jnp.float32)
-    top_k = sampling.top_k if 0 < sampling.top_k < V else 0
-    if top_k:  # exact top-k, then top-p on the renormalized top-k distribution (the HF/vLLM order)
-        vals, ids = jax.lax.top_k(scaled_BxV, top_k)
-        return _sample_truncated(u_B, vals, ids, jax.nn.logsumexp(vals, axis=1), sampling.top_p)
-    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=1)
-    if sampling.top_p >= 1.0:
-        tok = sample_index(jnp.exp(logp_BxV), u_B).astype(jnp.int32)
-        return tok, _take(logp_BxV, tok)
-    lse = jax.nn.logsumexp(scaled_BxV, axis=1)
-    c = min(V, sampling.top_p_candidates)
-    vals, ids = jax.lax.top_k(scaled_BxV, c)
-    if c == V:
-        return _sample_truncated(u_B, vals, ids, lse, sampling.top_p)
-    fits = jnp.all(jnp.sum(jnp.exp(vals - lse[:, None]), axis=1) >= sampling.top_p)
-
-    def full_sort(_):
-        v_all, i_all = jax.lax.top_k(scaled_BxV, V)
-        return _sample_truncated(u_B, v_all, i_all, lse, sampling.top_p)
-
-    return jax.lax.cond(fits, lambda _: _sample_truncated(u_B, vals, ids, lse, sampling.top_p), full_sort, None)
+    if 0 < sampling.top_k < V:
+        z, ids = jax.lax.top_k(scaled_BxV, sampling.top_k)
+    else:
+        z, ids = scaled_BxV, None
+    lse = jax.nn.logsumexp(z, axis=1)
+    if sampling.top_p < 1.0:
+        z_star = nucleus_threshold(z, lse, sampling.top_p, sampling.top_p_candidates)
+    else:
+        z_star = jnp.full((B,), -jnp.inf, jnp.float32)
+    idx, logp = _sample_above(u_B, z, lse, z_star)
+    tok = idx if ids is None else _take(ids, idx)
+    return tok.astype(jnp.int32), logp
 
 
 def _step_logits(logits_BxV, noise_key_data_Bx2, t, precision: PrecisionConfig, temperature: float):
