@@ -109,6 +109,10 @@ class SafetensorsSource:
 def save_hf(params: dict[str, Any], cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer=None) -> Path:
     """Write `config.json` + `model.safetensors` (in the params' dtype) that transformers (and so vLLM) load
     directly, plus the tokenizer files when a tokenizer is given. Returns the directory."""
+    for field, family in (("qkv_bias", "qwen2"), ("qk_norm", "qwen3")):
+        if getattr(cfg, field) != (cfg.family == family):  # HF ties these to the model type
+            raise ValueError(f"save_hf: ModelConfig.{field}={getattr(cfg, field)} cannot be expressed in an HF "
+                             f"{cfg.family} config.json (it is {cfg.family == family} for that model type)")
     hf = cfg.to_hf_dict()
     implied = ModelConfig.from_hf_dict(hf, source="save_hf")
     if implied != cfg:

@@ -35,6 +35,12 @@ class TensorView:
     def hf_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(g) for g in self.split)
 
+    @property
+    def jopd_shape(self) -> tuple[int, ...]:
+        """Shape of the jopd array (one layer's, for per-layer tensors)."""
+        flat = [n for g in self.split for n in g]
+        return tuple(flat[p] for p in self.perm)
+
     def hf_name(self, layer: int | None = None) -> str:
         return self.name.replace(LAYER, str(layer)) if self.per_layer else self.name
 
@@ -112,8 +118,7 @@ def _check_matches_param_shapes(cfg: ModelConfig, views: dict[str, Any]) -> None
                 walk(spec, vs[k], f"{path}{k}/")
                 continue
             v = vs[k]
-            flat = [n for g in v.split for n in g]
-            got = tuple(flat[p] for p in v.perm)
+            got = v.jopd_shape
             want = spec[0][1:] if v.per_layer else spec[0]
             assert got == want, (path + k, got, want)
 

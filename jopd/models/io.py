@@ -72,29 +72,28 @@ def _lazy_param(src, view: TensorView, cfg: ModelConfig) -> LazyParam:
         src.dtype(name)  # raises on an unsupported storage/quantization type
 
     def fetcher(name):
-        return lambda hf_index: src.fetch(name, hf_index)
+        def fetch(hf_index):
+            if any(s.stop <= s.start for s in hf_index):  # empty box: safetensors rejects such slices
+                return np.zeros([max(0, s.stop - s.start) for s in hf_index], dtype)
+            return src.fetch(name, hf_index)
+        return fetch
 
     if view.per_layer:
-        full = (cfg.num_layers, *[n for n in _jopd_shape(view)])
+        full = (cfg.num_layers, *view.jopd_shape)
 
         def read(index):
             index = normalize_index(index, full)
             rows = [view.read(fetcher(view.hf_name(i)), index[1:]) for i in range(index[0].start, index[0].stop)]
             if not rows:
                 return np.zeros([s.stop - s.start for s in index], dtype)
-            return np.stack(rows)
+            return np.stack(rows).astype(dtype, copy=False)
     else:
-        full = _jopd_shape(view)
+        full = view.jopd_shape
 
         def read(index):
-            return view.read(fetcher(view.name), normalize_index(index, full))
+            return view.read(fetcher(view.name), normalize_index(index, full)).astype(dtype, copy=False)
 
     return LazyParam(shape=tuple(full), dtype=dtype, read=read)
-
-
-def _jopd_shape(view: TensorView) -> tuple[int, ...]:
-    flat = [n for g in view.split for n in g]
-    return tuple(flat[p] for p in view.perm)
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
@@ -109,8 +108,8 @@ def load_params(path: str | os.PathLike, *, dtype=jnp.float32, shardings=None,
     """Load a checkpoint as jax arrays of `dtype`.
 
     shardings=None: plain (single-device) arrays. Otherwise a pytree of `jax.sharding.Sharding` matching the
-    params (or one Sharding for all); each array is built with `jax.make_array_from_callback`, so each process reads only the slices
-    that its own devices hold.
+    params (or one Sharding for all): each array is built with `jax.make_array_from_callback`, so each process
+    reads only the slices that its own devices hold.
     """
     cfg, lazy = open_checkpoint(path)
     np_dtype = np.dtype(dtype)
@@ -125,9 +124,21 @@ def load_params(path: str | os.PathLike, *, dtype=jnp.float32, shardings=None,
         if sharding is None:
             out.append(jnp.asarray(lp.read_all().astype(np_dtype, copy=False)))
         else:
-            out.append(jax.make_array_from_callback(
-                lp.shape, sharding, lambda index, lp=lp: lp.read(index).astype(np_dtype, copy=False)))
+            out.append(jax.make_array_from_callback(lp.shape, sharding, _memoized_reader(lp, np_dtype)))
     return cfg, jax.tree.unflatten(treedef, out)
+
+
+def _memoized_reader(lp: LazyParam, np_dtype: np.dtype) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """Devices holding the same slice (replicas along a data axis) share one disk read within this process."""
+    done: dict[tuple, np.ndarray] = {}
+
+    def read(index):
+        key = tuple((s.start, s.stop) for s in normalize_index(index, lp.shape))
+        if key not in done:
+            done[key] = lp.read(index).astype(np_dtype, copy=False)
+        return done[key]
+
+    return read
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -143,8 +154,24 @@ def load_tokenizer(path: str | os.PathLike):
         known = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if not any((p / f).is_file() for f in known):
             raise FileNotFoundError(f"{p}: no tokenizer files (one of {', '.join(known)})")
+        if _tokenizer_class(p) in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            # A generic tokenizer.json (e.g. jopd's toy tokenizer): AutoTokenizer (transformers 5) would pick the
+            # model_type's tokenizer class from config.json (e.g. Qwen2Tokenizer) and rebuild it wrongly.
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(p))
         return AutoTokenizer.from_pretrained(str(p))
     raise ValueError(f"{p}: not a tokenizer source (expected an HF model directory or a .gguf file)")
+
+
+def _tokenizer_class(model_dir: Path) -> str | None:
+    import json
+
+    f = model_dir / "tokenizer_config.json"
+    try:
+        return json.loads(f.read_text()).get("tokenizer_class") if f.is_file() else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
