@@ -420,10 +420,10 @@ class Sampler:
             self._caches[(B, slots)] = out.cache
         return out._replace(cache=None)
 
-    def pad(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    def pad(self, prompts: Sequence[Sequence[int]], min_batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Left-pad to the (batch, prompt length) bucket; filler rows get a single token so none is empty."""
         min_p, b_pow2, p_pow2 = self._buckets
-        B = bucket_size(len(prompts), minimum=1, pow2_up_to=b_pow2)
+        B = bucket_size(max(len(prompts), min_batch), minimum=1, pow2_up_to=b_pow2)
         P = bucket_size(max(len(p) for p in prompts), minimum=min_p, pow2_up_to=p_pow2)
         toks = np.zeros((B, P), np.int32)
         mask = np.zeros((B, P), bool)
@@ -434,11 +434,12 @@ class Sampler:
         return toks, mask
 
     def generate(self, params, prompts: Sequence[Sequence[int]], *, seed: int | None = None,
-                 first_index: int = 0) -> SampleOutput:
+                 first_index: int = 0, min_batch: int = 1) -> SampleOutput:
         """Sample completions of token-id prompts; sequence i is seeded by (seed, first_index + i).
-        Returns a numpy `SampleOutput` with exactly len(prompts) rows."""
+        `min_batch` pads small batches up to a bucket already compiled. Returns a numpy `SampleOutput` with
+        exactly len(prompts) rows."""
         check_prompts(prompts, self.cfg, self.sampling.max_new_tokens)
-        toks, mask = self.pad(prompts)
+        toks, mask = self.pad(prompts, min_batch)
         seed = self.sampling.seed if seed is None else seed
         rand = row_randomness(seed, first_index + np.arange(toks.shape[0]), self.sampling.max_new_tokens)
         if self.shardings is not None:
