@@ -49,18 +49,25 @@ def test_sample_writes_completions_with_the_models_logprobs(model_dir, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["one two", "three", "four five six"]
     tok = io.load_tokenizer(model_dir)
-    params = io.load_params(model_dir)[1]
+    seqs = []
     for r in rows:
         n = len(r["tokens"])
         assert 1 <= n <= 6 and len(r["logprobs"]) == n
         assert (r["finish_reason"] == "stop") == (r["tokens"][-1] == 2) and 2 not in r["tokens"][:-1]
         assert r["completion"] == tok.decode(r["tokens"], skip_special_tokens=True)
-        # the chat template was applied; fp32, temperature 1, no truncation: logprobs are the model's own
         ids = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                       tokenize=True, return_dict=True)["input_ids"]
-        assert ids[:3] == [1, 3, WORDS.index(r["prompt"].split()[0])]
-        logits, _ = T.forward(params, np.asarray([ids + r["tokens"]]), cfg=CFG)
-        ref = jax.nn.log_softmax(logits[0, len(ids) - 1:-1], axis=-1)[np.arange(n), r["tokens"]]
+        assert ids[:3] == [1, 3, WORDS.index(r["prompt"].split()[0])]  # the chat template was applied
+        seqs.append((ids, r["tokens"]))
+    # fp32, temperature 1, no truncation: the written logprobs are the model's own log-softmax
+    width = max(len(a) + len(b) for a, b in seqs)
+    toks = np.zeros((len(seqs), width), np.int32)
+    mask = np.zeros((len(seqs), width), bool)
+    for i, (a, b) in enumerate(seqs):
+        toks[i, :len(a) + len(b)], mask[i, :len(a) + len(b)] = a + b, True
+    logp = jax.nn.log_softmax(T.forward(io.load_params(model_dir)[1], toks, cfg=CFG, attn_mask_BxT=mask)[0], -1)
+    for i, ((a, b), r) in enumerate(zip(seqs, rows)):
+        ref = logp[i, np.arange(len(a) - 1, len(a) - 1 + len(b)), b]
         np.testing.assert_allclose(r["logprobs"], ref, atol=1e-5, rtol=0)
 
     # same seed -> same file; the sampler's batch size does not change the samples
