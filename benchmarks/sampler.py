@@ -109,9 +109,9 @@ def main() -> None:
     cfg = dataclasses.replace(cfg, eos_token_id=None)  # generate all new tokens, as min_new_tokens does for HF
     flops = flops_per_new_token(cfg, params, args.prompt_tokens, args.new_tokens)
     hf_model = None if args.skip_hf else load_hf(path)
-    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; fp32 matmul rate {peak:.0f} GFLOP/s; "
-          f"{flops / 1e6:.0f} MFLOP per new token; {args.prompt_tokens}-token prompts, {args.new_tokens} new "
-          f"tokens, top-p {args.top_p}")
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} ({os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at start); fp32 matmul rate {peak:.0f} GFLOP/s; {flops / 1e6:.0f} MFLOP per "
+          f"new token; {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, top-p {args.top_p}")
     header = (f"{'batch':>5} | {'jopd tok/s':>10} | {'HF tok/s':>9} | {'ratio':>6} | {'jopd %peak':>10} | "
               f"{'HF %peak':>8} | {'jopd compile s':>14}")
     print(header)
@@ -124,6 +124,7 @@ def main() -> None:
         pct = lambda rate: 100 * rate * flops / 1e9 / peak  # noqa: E731
         print(f"{b:>5} | {jopd_rate:>10.1f} | {hf_rate:>9.1f} | {jopd_rate / hf_rate:>5.2f}x | "
               f"{pct(jopd_rate):>9.1f}% | {pct(hf_rate):>7.1f}% | {compile_s:>14.1f}", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
