@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from jopd import mesh as meshlib
 from jopd.config import ModelSource, RunConfig
+from jopd.losses.objectives import PG_KINDS
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
@@ -330,7 +331,8 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
                      "vocab": m.vocab_size}
               for role, m, src in (("student", s_cfg, cfg.student), ("teacher", t_cfg, cfg.teacher))}
-    shapes = {"batch": cfg.data.batch_size, "prompt_len": cfg.data.max_prompt_len,
+    rows = cfg.data.batch_size * (cfg.rl.group_size if cfg.loss.kind == "grpo" else 1)
+    shapes = {"batch": rows, "prompt_len": cfg.data.max_prompt_len,
               "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
               "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
     return AotReport(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
@@ -343,7 +345,9 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     """The stages as `jopd.train.build` jits them, each with a thunk lowering it from abstract inputs and the
     bytes per device of other stages' buffers alive while it runs. Returns ({stage: (lower, resident)},
     {long-lived buffer: bytes per device})."""
-    B, Pl, N = cfg.data.batch_size, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    # GRPO samples every prompt rl.group_size times (jopd.train repeats the prompt rows).
+    B = cfg.data.batch_size * (cfg.rl.group_size if cfg.loss.kind == "grpo" else 1)
+    Pl, N = cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
     train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
     s_dtype, t_dtype = DTYPES[cfg.student.dtype], DTYPES[cfg.teacher.dtype]
     precision = cfg.rollout_precision
@@ -383,6 +387,8 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     is_lp = rollout["unprocessed_logprobs_BxN" if cfg.train.is_logprobs == "unprocessed" else "logprobs_BxN"]
     batch = loss_batch(layout, scores, sampler_logprobs_BxN=is_lp,
                        sampler_full_logprobs_BxNxV=rollout.get("full_logprobs_BxNxV"))
+    if cfg.loss.kind in PG_KINDS:  # RL baselines: per-token advantages from correctness rewards
+        batch["advantages"] = sds((B, N), jnp.float32, sharding=batch_sh)
 
     sync = jax.jit(lambda p, k: prepare_sampler_params(p, precision, k), out_shardings=sample_sh)
     step_fn = make_train_step(rollout_loss_fn(s_cfg, loss_cfg, s_dtype, remat=cfg.train.remat), optimizer,

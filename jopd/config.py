@@ -20,6 +20,7 @@ from jopd.losses import LossConfig
 from jopd.mesh import MeshConfig
 from jopd.optim import OptimConfig
 from jopd.precision import PrecisionConfig
+from jopd.rl import RLConfig
 from jopd.sampler import SamplingConfig
 
 
@@ -88,6 +89,7 @@ class RunConfig:
     sampling: SamplingConfig = SamplingConfig()
     rollout_precision: PrecisionConfig = PrecisionConfig()
     loss: LossConfig = LossConfig()
+    rl: RLConfig = RLConfig()  # used by the RL baselines (loss.kind reinforce / grpo)
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

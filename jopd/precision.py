@@ -8,10 +8,12 @@ into the rollout engine's params once per weight sync.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pydantic
 
 from jopd.configlib import config_dataclass
@@ -100,18 +102,26 @@ def _leaf_name(path) -> str:
 
 def prepare_sampler_params(params: Any, precision: PrecisionConfig, key: jax.Array | None = None) -> Any:
     """Trainer params -> rollout params: relative weight noise (seeded by `key`), then simulated weight
-    quantization, then a cast to the compute dtype. Call once per weight sync. Pure; jit it if you like
-    (`precision` static). With weight_noise == 0 and weight_quant == "none" this is only the cast.
+    quantization, then a cast to the compute dtype. Call once per weight sync (jitted; compiles once per
+    params structure and precision). With weight_noise == 0 and weight_quant == "none" it is only the cast.
     """
     if precision.weight_noise > 0 and key is None:
         raise ValueError("prepare_sampler_params: PrecisionConfig.weight_noise > 0 needs a PRNG key")
+    return _prepare(params, key if precision.weight_noise > 0 else None, precision)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _prepare(params: Any, key: jax.Array | None, precision: PrecisionConfig) -> Any:
     flat, treedef = jax.tree.flatten_with_path(params)
-    keys = jax.random.split(key, len(flat)) if precision.weight_noise > 0 else [None] * len(flat)
+    if precision.weight_noise > 0:
+        # one draw for all leaves (a single PRNG op: threefry is slow to compile on CPU), then split
+        sizes = [w.size for _, w in flat]
+        eps = jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32), np.cumsum(sizes)[:-1])
     out = []
-    for (path, w), k in zip(flat, keys):
+    for i, (path, w) in enumerate(flat):
         w32 = w.astype(jnp.float32)
         if precision.weight_noise > 0:  # static skip: sigma == 0 leaves the weights bit-identical
-            w32 = w32 + precision.weight_noise * jnp.abs(w32) * jax.random.normal(k, w32.shape, jnp.float32)
+            w32 = w32 + precision.weight_noise * jnp.abs(w32) * eps[i].reshape(w.shape)
         name = _leaf_name(path)
         if precision.weight_quant != "none" and name in _INPUT_AXES:
             w32 = fake_quant(w32, _INPUT_AXES[name], precision.weight_quant)

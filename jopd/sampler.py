@@ -5,8 +5,9 @@ The jitted core `sample_padded` takes the params as traced arguments, so one com
 weight sync; it compiles once per (model cfg, precision, sampling cfg, shape bucket). `Sampler` buckets the
 batch and prompt lengths (few distinct shapes), keeps a donated KV-cache buffer per bucket, and draws each
 sequence's randomness from (seed, sequence index): a sequence's sample does not depend on its batch-mates.
-Tokens are drawn by inverse CDF from one uniform per step (two-level over the vocab: no full-vocab cumsum,
-sort or per-token random numbers in the common cases).
+Tokens are drawn by inverse CDF from one uniform per step (two-level over the vocab: no full-vocab cumsum or
+per-token random numbers), and the top-p cut is found by bisection on its threshold (`nucleus_threshold`):
+XLA's sort of a [64, 49152] row block takes about a second on this CPU.
 
 Per generated token it returns the processed logprob (log-probability of the sampled token under the
 distribution actually sampled from: after logit noise, temperature, top-k/top-p truncation and
@@ -32,6 +33,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.precision import PrecisionConfig
 
+
 @config_dataclass
 class SamplingConfig:
     """How the rollout engine picks tokens. `seed` only seeds the host-side randomness (`row_randomness`); it is
@@ -45,9 +47,8 @@ class SamplingConfig:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # stop tokens in addition to the model config's eos ids
     return_full_logprobs: bool = False  # also return the unprocessed log-softmax per step, [B, N, V] fp32
-    # Speed knob, same results: without top-k, a top-p step looks for the nucleus among this many most
-    # probable tokens (partial top-k, not a full sort of the vocab) and falls back to the full sort only
-    # when their mass is below top_p in some row.
+    # Speed knob, same results: the top-p cut bisects until at most this many tokens sit at the boundary,
+    # then ranks those exactly (no sort of the vocabulary; see `nucleus_threshold`).
     top_p_candidates: Annotated[int, pydantic.Field(gt=0)] = 128
 
 
@@ -70,12 +71,18 @@ class SampleOutput(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SamplerShardings:
-    """Optional placement on a mesh: `params` a pytree of shardings matching the params, `batch` a sharding
-    for arrays with a leading batch axis, `cache` one for the [L, B, S, K, Dh] cache arrays."""
+    """Optional placement on a mesh: `params` a pytree of shardings matching the params (e.g. `jopd.mesh`'s
+    param_shardings with the sample rules), `batch` one sharding for every array with a leading batch axis
+    (its spec names the batch dim only), `cache` a sharding for the [L, B, S, K, Dh] cache arrays or a dict
+    {"k": ..., "v": ...} of them."""
 
     params: Any
     batch: Any
     cache: Any
+
+    @property
+    def cache_dict(self) -> dict[str, Any]:
+        return dict(self.cache) if isinstance(self.cache, dict) else {"k": self.cache, "v": self.cache}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,44 +148,99 @@ def sample_index(probs_BxC: Float[Array, "B C"], u_B: Float[Array, "B"], block: 
     return j * block + _inverse_cdf(inner, u_in)[0]
 
 
-def _sample_truncated(u_B, vals_BxC, ids_BxC, lse_B, top_p: float):
-    """Nucleus over candidates sorted by decreasing logit: keep the shortest prefix whose probability mass
-    (under exp(val - lse)) reaches top_p, renormalize, sample. Returns (token, processed logprob)."""
-    probs = jnp.exp(vals_BxC - lse_B[:, None])
-    if top_p < 1.0:
-        mass_before = jnp.cumsum(probs, axis=1) - probs
-        vals_BxC = jnp.where(mass_before < top_p, vals_BxC, -jnp.inf)  # the top token is always kept
-    logp_BxC = jax.nn.log_softmax(vals_BxC, axis=1)
-    idx = sample_index(jnp.exp(logp_BxC), u_B)
-    return _take(ids_BxC, idx).astype(jnp.int32), _take(logp_BxC, idx)
+def _order_key(z: jax.Array) -> jax.Array:
+    """int32 key with the order of the float32 values (sign-magnitude -> two's complement)."""
+    bits = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def choose_tokens(scaled_BxV: Float[Array, "B V"], u_B: Float[Array, "B"], sampling: SamplingConfig):
-    """Pick one token per row from temperature-scaled logits, driven by one uniform u per row.
-    Returns (tokens_B, processed_logprobs_B)."""
+def nucleus_threshold(z_BxC: Float[Array, "B C"], lse_B: Float[Array, "B"], top_p: float, bracket: int,
+                      blind_steps: int = 6, p_BxC: Float[Array, "B C"] | None = None):
+    """Top-p cut without sorting: the smallest kept logit z* per row, where token v is kept iff the probability
+    mass of the tokens strictly more probable than v, under p = exp(z - lse), is below top_p (the sorted-prefix
+    rule, with tied tokens kept or dropped together).
+
+    Bisection on the order key of the threshold narrows a bracket (lo, hi] with mass(z > hi) < top_p <=
+    mass(z > lo) until it holds at most `bracket` tokens (or a single value); those few are then ranked
+    exactly with a top-k. Each step is one pass over the row: the first `blind_steps` update only the masses
+    (a sort of the vocabulary is far slower on CPU); later steps also count the bracket, to know when to stop.
+    """
+    B, C = z_BxC.shape
+    c = min(bracket, C)
+    p = jnp.exp(z_BxC - lse_B[:, None]) if p_BxC is None else p_BxC
+    keys = _order_key(z_BxC)
+    hi = jnp.max(keys, axis=1)  # mass strictly above the max is 0 < top_p
+    # Tokens with z <= lse + log((1 - top_p) / C) - 1 hold at most (1 - top_p) / e of the mass, so the mass
+    # above that value is >= top_p + 0.63 (1 - top_p): a valid lower end, far from rounding trouble.
+    lo = _order_key(lse_B + math.log((1.0 - top_p) / C) - 1.0)
+
+    def wide(lo, hi):  # more than one representable value left in (lo, hi]
+        return jax.lax.bitcast_convert_type(hi - lo, jnp.uint32) > 1  # hi >= lo; the difference may wrap
+
+    def bisect(lo, hi, m_hi, go):
+        mid = lo + jax.lax.shift_right_logical(hi - lo, 1)  # exact midpoint, even when hi - lo wraps
+        above = keys > mid[:, None]
+        m_mid = jnp.sum(jnp.where(above, p, 0.0), axis=1)
+        down = go & (m_mid < top_p)  # the threshold is <= mid
+        up = go & ~(m_mid < top_p)
+        return jnp.where(up, mid, lo), jnp.where(down, mid, hi), jnp.where(down, m_mid, m_hi)
+
+    def blind(_, s):
+        lo, hi, m_hi = s
+        return bisect(lo, hi, m_hi, wide(lo, hi))
+
+    lo, hi, m_hi = jax.lax.fori_loop(0, blind_steps, blind, (lo, hi, jnp.zeros((B,), jnp.float32)))
+
+    def count(lo, hi):
+        return jnp.sum((keys > lo[:, None]) & (keys <= hi[:, None]), axis=1, dtype=jnp.int32)
+
+    def counted(s):
+        lo, hi, m_hi, n = s
+        lo, hi, m_hi = bisect(lo, hi, m_hi, (n > c) & wide(lo, hi))
+        return lo, hi, m_hi, count(lo, hi)
+
+    lo, hi, m_hi, _ = jax.lax.while_loop(lambda s: jnp.any((s[3] > c) & wide(s[0], s[1])), counted,
+                                         (lo, hi, m_hi, count(lo, hi)))
+    in_bracket = (keys > lo[:, None]) & (keys <= hi[:, None])
+    vals, _ = jax.lax.top_k(jnp.where(in_bracket, z_BxC, -jnp.inf), c)
+    pv = jnp.exp(vals - lse_B[:, None])
+    strictly_above = m_hi[:, None] + jnp.sum(jnp.where(vals[:, None, :] > vals[:, :, None], pv[:, None, :], 0.0),
+                                             axis=2)
+    keep = (vals > -jnp.inf) & (strictly_above < top_p)
+    return jnp.min(jnp.where(keep, vals, jnp.inf), axis=1)
+
+
+def _sample_above(u_B, z_BxC, lse_B, p_BxC, z_star_B):
+    """Sample among entries with z >= z* (renormalized). Returns (index, processed logprob)."""
+    kept_p = jnp.where(z_BxC >= z_star_B[:, None], p_BxC, 0.0)
+    idx = sample_index(kept_p, u_B)
+    return idx, _take(z_BxC, idx) - lse_B - jnp.log(jnp.sum(kept_p, axis=1))
+
+
+def choose_tokens(scaled_BxV: Float[Array, "B V"], u_B: Float[Array, "B"], sampling: SamplingConfig,
+                  lse_B: Float[Array, "B"] | None = None):
+    """Pick one token per row from temperature-scaled logits, driven by one uniform u per row: argmax (greedy),
+    or temperature -> top-k -> top-p on the renormalized top-k -> renormalize -> inverse-CDF draw.
+    `lse_B` (the logsumexp of the row) may be passed when already known. Returns (tokens_B, processed
+    logprobs_B)."""
     B, V = scaled_BxV.shape
     if sampling.greedy:
         return jnp.argmax(scaled_BxV, axis=1).astype(jnp.int32), jnp.zeros((B,), jnp.float32)
-    top_k = sampling.top_k if 0 < sampling.top_k < V else 0
-    if top_k:  # exact top-k, then top-p on the renormalized top-k distribution (the HF/vLLM order)
-        vals, ids = jax.lax.top_k(scaled_BxV, top_k)
-        return _sample_truncated(u_B, vals, ids, jax.nn.logsumexp(vals, axis=1), sampling.top_p)
-    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=1)
-    if sampling.top_p >= 1.0:
-        tok = sample_index(jnp.exp(logp_BxV), u_B).astype(jnp.int32)
-        return tok, _take(logp_BxV, tok)
-    lse = jax.nn.logsumexp(scaled_BxV, axis=1)
-    c = min(V, sampling.top_p_candidates)
-    vals, ids = jax.lax.top_k(scaled_BxV, c)
-    if c == V:
-        return _sample_truncated(u_B, vals, ids, lse, sampling.top_p)
-    fits = jnp.all(jnp.sum(jnp.exp(vals - lse[:, None]), axis=1) >= sampling.top_p)
-
-    def full_sort(_):
-        v_all, i_all = jax.lax.top_k(scaled_BxV, V)
-        return _sample_truncated(u_B, v_all, i_all, lse, sampling.top_p)
-
-    return jax.lax.cond(fits, lambda _: _sample_truncated(u_B, vals, ids, lse, sampling.top_p), full_sort, None)
+    if 0 < sampling.top_k < V:
+        z, ids = jax.lax.top_k(scaled_BxV, sampling.top_k)
+        lse = jax.nn.logsumexp(z, axis=1)
+    else:
+        z, ids = scaled_BxV, None
+        lse = jax.nn.logsumexp(z, axis=1) if lse_B is None else lse_B
+    p = jnp.exp(z - lse[:, None])
+    if sampling.top_p < 1.0:
+        z_star = nucleus_threshold(z, lse, sampling.top_p, sampling.top_p_candidates, p_BxC=p)
+        idx, logp = _sample_above(u_B, z, lse, p, z_star)
+    else:
+        idx = sample_index(p, u_B)
+        logp = _take(z, idx) - lse
+    tok = idx if ids is None else _take(ids, idx)
+    return tok.astype(jnp.int32), logp
 
 
 def _step_logits(logits_BxV, noise_key_data_Bx2, t, precision: PrecisionConfig, temperature: float):
@@ -228,9 +290,10 @@ def sample_padded(
     def pick(logits_BxV, t, done_B):
         scaled = _step_logits(logits_BxV, rand.noise_key_data_Bx2, t, precision, sampling.temperature)
         u_B = jax.lax.dynamic_index_in_dim(rand.uniforms_BxN, t, axis=1, keepdims=False)
-        tok, logp = choose_tokens(scaled, u_B, sampling)
-        full = jax.nn.log_softmax(scaled, axis=1)
-        ulogp = _take(full, tok)
+        lse = jax.nn.logsumexp(scaled, axis=1)
+        tok, logp = choose_tokens(scaled, u_B, sampling, lse)
+        full = scaled - lse[:, None]  # log-softmax; materialized only when returned
+        ulogp = _take(scaled, tok) - lse
         tok = jnp.where(done_B, pad_id, tok)
         logp = jnp.where(done_B, 0.0, logp)
         ulogp = jnp.where(done_B, 0.0, ulogp)
@@ -346,11 +409,10 @@ class Sampler:
         if shardings is None:
             self._fn = _compiled(cfg, _program_precision(self.precision), _program_sampling(sampling))
         else:
-            b, c = shardings.batch, shardings.cache
-            out = SampleOutput(b, b, b, b, b, b if sampling.return_full_logprobs else None, {"k": c, "v": c})
+            b, c = shardings.batch, shardings.cache_dict
+            out = SampleOutput(b, b, b, b, b, b if sampling.return_full_logprobs else None, c)
             self._fn = jax.jit(_bind(cfg, _program_precision(self.precision), _program_sampling(sampling)),
-                               donate_argnums=(4,), in_shardings=(shardings.params, b, b, b, {"k": c, "v": c}),
-                               out_shardings=out)
+                               donate_argnums=(4,), in_shardings=(shardings.params, b, b, b, c), out_shardings=out)
 
     @property
     def program(self):
@@ -361,7 +423,7 @@ class Sampler:
     def new_cache(self, batch: int, slots: int) -> transformer.KVCache:
         cache = transformer.init_cache(self.cfg, batch, slots, self.precision.cache_dtype)
         if self.shardings is not None:
-            cache = jax.device_put(cache, {"k": self.shardings.cache, "v": self.shardings.cache})
+            cache = jax.device_put(cache, self.shardings.cache_dict)
         return cache
 
     def sample_padded(self, params, prompt_BxP, prompt_mask_BxP, rand: RowRandomness) -> SampleOutput:
@@ -376,10 +438,10 @@ class Sampler:
             self._caches[(B, slots)] = out.cache
         return out._replace(cache=None)
 
-    def pad(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    def pad(self, prompts: Sequence[Sequence[int]], min_batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Left-pad to the (batch, prompt length) bucket; filler rows get a single token so none is empty."""
         min_p, b_pow2, p_pow2 = self._buckets
-        B = bucket_size(len(prompts), minimum=1, pow2_up_to=b_pow2)
+        B = bucket_size(max(len(prompts), min_batch), minimum=1, pow2_up_to=b_pow2)
         P = bucket_size(max(len(p) for p in prompts), minimum=min_p, pow2_up_to=p_pow2)
         toks = np.zeros((B, P), np.int32)
         mask = np.zeros((B, P), bool)
@@ -390,11 +452,12 @@ class Sampler:
         return toks, mask
 
     def generate(self, params, prompts: Sequence[Sequence[int]], *, seed: int | None = None,
-                 first_index: int = 0) -> SampleOutput:
+                 first_index: int = 0, min_batch: int = 1) -> SampleOutput:
         """Sample completions of token-id prompts; sequence i is seeded by (seed, first_index + i).
-        Returns a numpy `SampleOutput` with exactly len(prompts) rows."""
+        `min_batch` pads small batches up to a bucket already compiled. Returns a numpy `SampleOutput` with
+        exactly len(prompts) rows."""
         check_prompts(prompts, self.cfg, self.sampling.max_new_tokens)
-        toks, mask = self.pad(prompts)
+        toks, mask = self.pad(prompts, min_batch)
         seed = self.sampling.seed if seed is None else seed
         rand = row_randomness(seed, first_index + np.arange(toks.shape[0]), self.sampling.max_new_tokens)
         if self.shardings is not None:

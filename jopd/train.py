@@ -26,7 +26,9 @@ from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.distributed import host_local_to_global, maybe_initialize
 from jopd.evaluate import compare_table, evaluate_heldout
+from jopd import rl
 from jopd.losses import LossConfig
+from jopd.losses.objectives import PG_KINDS
 from jopd.metrics import MetricsWriter, plot_curves
 from jopd.models.config import ModelConfig
 from jopd.models_setup import DTYPES, check_compatible, get_model, precheck_sources, run_tokenizer
@@ -37,7 +39,7 @@ from jopd.rollout import loss_batch, score_with_teacher, sequence_layout
 from jopd.sampler import Sampler, SamplerShardings, row_randomness
 from jopd.train_step import TrainState, init_train_state, jit_train_step, make_train_step
 
-CURVES = ["loss", "divergence", "teacher_kl_k1", "topk_mass", "mismatch_kl", "response_len", "tokens_per_s"]
+CURVES = ["loss", "reward", "divergence", "teacher_kl_k1", "topk_mass", "mismatch_kl", "response_len", "tokens_per_s"]
 
 
 def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
@@ -115,6 +117,9 @@ def build(cfg: RunConfig, log=print) -> tuple[Engines, TrainState]:
 def rollout_and_score(eng: Engines, state: TrainState, batch: dict[str, np.ndarray], step: int):
     """One step's data: sample with the current student, score with the teacher -> the train step's batch."""
     cfg = eng.cfg
+    rl_kind = eng.loss_cfg.kind if eng.loss_cfg.kind in PG_KINDS else None
+    if rl_kind == "grpo":
+        batch = rl.repeat_for_groups(batch, cfg.rl.group_size)
     B = batch["prompt_tokens"].shape[0] * jax.process_count()
     step_key = jax.random.fold_in(state.rng, step)
     sampler_params = eng.sync(state.params, jax.random.fold_in(step_key, 1))
@@ -131,7 +136,27 @@ def rollout_and_score(eng: Engines, state: TrainState, batch: dict[str, np.ndarr
                                  full_teacher_logits=eng.loss_cfg.kind in ("rkl", "fkl", "jsd"))
     is_lp = out.unprocessed_logprobs_BxN if cfg.train.is_logprobs == "unprocessed" else out.logprobs_BxN
     lb = loss_batch(layout, teacher, sampler_logprobs_BxN=is_lp, sampler_full_logprobs_BxNxV=out.full_logprobs_BxNxV)
+    if rl_kind is not None:
+        lb["advantages"], rewards = _rl_advantages(eng, rl_kind, out, batch)
+        lb["reward"] = rewards  # not read by the loss; logged by the loop
     return lb, out
+
+
+def _rl_advantages(eng: Engines, kind: str, out, batch):
+    """Correctness rewards of this process's rows -> per-token advantages [B, N] as a global array."""
+    tokens, lengths = (np.asarray(x) for x in _local_rows(eng, (out.tokens_BxN, out.lengths_B)))
+    texts = [eng.tokenizer.decode(t[:n], skip_special_tokens=True) for t, n in zip(tokens, lengths)]
+    rewards = rl.correctness_rewards(texts, batch["answer"])
+    adv = rl.sequence_advantages(kind, rewards, eng.cfg.rl)
+    adv_BxN = np.repeat(adv[:, None], tokens.shape[1], axis=1)
+    return host_local_to_global({"a": adv_BxN, "r": rewards}, eng.batch_sharding).values()
+
+
+def _local_rows(eng: Engines, tree):
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return multihost_utils.global_array_to_host_local_array(tree, eng.mesh, eng.batch_sharding.spec)
 
 
 def run_eval(eng: Engines, params, name: str, out_dir: Path) -> dict[str, float]:
@@ -176,8 +201,10 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
     rollouts = open(out_dir / "rollouts.jsonl", "a", buffering=1) if is_main else None
 
     def flush(pending):
-        step, metrics, t0, out, batch = pending
+        step, metrics, t0, out, batch, reward = pending
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if reward is not None:
+            m["reward"] = float(np.mean(jax.device_get(reward)))
         lengths = np.asarray(jax.device_get(out.lengths_B))
         if rollouts is not None:
             tokens = np.asarray(jax.device_get(out.tokens_BxN))
@@ -198,11 +225,12 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
             batch = next(data_it)
             with jax.set_mesh(eng.mesh):  # activations' batch constraints (transformer.constrain_batch)
                 lb, out = rollout_and_score(eng, state, batch, step)
-                state, metrics = eng.train_step(state, lb)
+                state, metrics = eng.train_step(state, {k: v for k, v in lb.items() if k != "reward"})
+            reward = lb.get("reward")
             del lb  # freed once the step ran, not held through the next rollout ([B,N,V] with mismatch=exact)
             if pending is not None:
                 flush(pending)  # previous step's metrics: read while this step runs
-            pending = (step + 1, metrics, t_last, out._replace(full_logprobs_BxNxV=None), batch)  # what flush reads
+            pending = (step + 1, metrics, t_last, out._replace(full_logprobs_BxNxV=None), batch, reward)
             t_last = time.perf_counter()
             done = step + 1
             stop = guard.should_stop(done)

@@ -200,3 +200,17 @@ def test_tpu_topology():
     assert math.isclose(report.buffers["train_state"] * 4, aot.compile_opd_step(
         tiny_cfg("mesh.data=4", "mesh.fsdp=1"), devices, stages=["weight_sync"], progress=False
     ).buffers["train_state"], rel_tol=0.01)
+
+
+def test_rl_baselines_lower_with_grouped_rows_and_advantages():
+    """GRPO: every prompt sampled rl.group_size times; the loss reads per-token advantages (lowering only)."""
+    from jopd import mesh as meshlib
+
+    cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8", "loss.kind=grpo", "rl.group_size=2")
+    s_cfg = aot.model_config_of(cfg.student, "student")
+    programs, buffers = aot.stage_programs(cfg, s_cfg, s_cfg, meshlib.make_mesh(cfg.mesh))
+    with jax.set_mesh(meshlib.make_mesh(cfg.mesh)):
+        lowered = programs["train_step"][0]()
+    batch = lowered.args_info[0][1]  # (args, kwargs): args = (state, batch)
+    assert batch["advantages"].shape == (16, 8) and batch["tokens"].shape == (16, 24)
+    assert buffers["kv_cache"] > 0

@@ -15,6 +15,7 @@ from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.precision import PrecisionConfig, precision_from_name, prepare_sampler_params
 from jopd.sampler import Sampler, SamplerShardings, SamplingConfig
+from tests.tiny_params import numpy_params
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
@@ -27,9 +28,7 @@ PLAIN = SamplingConfig(max_new_tokens=N, return_full_logprobs=True)
 @functools.lru_cache(maxsize=None)
 def make_params():
     """Random weights scaled up so that next-token distributions are far from uniform and depend on context."""
-    p = T.init_params(CFG, jax.random.key(0))
-    layers = {k: v * 5.0 if v.ndim > 2 else v for k, v in p["layers"].items()}
-    return {**p, "layers": layers, "lm_head": p["lm_head"] * 20.0}
+    return numpy_params(CFG, 0, layer_scale=5.0, head_scale=20.0)
 
 
 @jax.jit
@@ -110,9 +109,10 @@ def test_seeds_batch_independence_and_noise_switches():
     np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN)
     np.testing.assert_array_equal(a.logprobs_BxN, b.logprobs_BxN)
     assert (a.tokens_BxN != c.tokens_BxN).any()
-    # a sequence's sample depends on (seed, its index), not on its batch-mates or the batch bucket
-    alone = sampler.generate(params, PROMPTS[1:2], seed=1, first_index=1)
-    np.testing.assert_array_equal(alone.tokens_BxN[0], a.tokens_BxN[1])
+    # a sequence's sample depends on (seed, its index), not on its batch-mates
+    mates = sampler.generate(params, [[1, 2], PROMPTS[1], [3]], seed=1)
+    np.testing.assert_array_equal(mates.tokens_BxN[1], a.tokens_BxN[1])
+    assert (mates.tokens_BxN[0] != a.tokens_BxN[0]).any()
 
     # noise sigma = 0 is bit-identical to no noise; sigma > 0 changes the logprobs
     zero = PrecisionConfig(logit_noise=0.0, weight_noise=0.0)
@@ -126,13 +126,12 @@ def test_seeds_batch_independence_and_noise_switches():
 
 def test_sharded_sampler_equals_unsharded():
     params = make_params()
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))  # PROMPTS pad to a batch of 4
     repl = NamedSharding(mesh, P())
     shardings = SamplerShardings(params=jax.tree.map(lambda _: repl, params), batch=NamedSharding(mesh, P("data")),
                                  cache=NamedSharding(mesh, P(None, "data")))
-    prompts = [[i + 1, 2 * i + 3, 7] for i in range(8)]
-    sharded = Sampler(CFG, PLAIN, shardings=shardings).generate(jax.device_put(params, repl), prompts, seed=3)
-    plain = Sampler(CFG, PLAIN).generate(params, prompts, seed=3)
+    sharded = Sampler(CFG, PLAIN, shardings=shardings).generate(jax.device_put(params, repl), PROMPTS, seed=3)
+    plain = Sampler(CFG, PLAIN).generate(params, PROMPTS, seed=3)
     np.testing.assert_array_equal(sharded.tokens_BxN, plain.tokens_BxN)
     np.testing.assert_allclose(sharded.logprobs_BxN, plain.logprobs_BxN, atol=1e-5, rtol=0)
 

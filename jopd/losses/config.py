@@ -8,7 +8,7 @@ import pydantic
 
 from jopd.configlib import config_dataclass
 
-LossKind = Literal["topk_rkl", "sampled_opd", "rkl", "fkl", "jsd", "sft"]
+LossKind = Literal["topk_rkl", "sampled_opd", "rkl", "fkl", "jsd", "sft", "reinforce", "grpo"]
 ISMode = Literal["none", "tis", "icepop"]
 
 _Pos = pydantic.Field(gt=0)
@@ -20,7 +20,8 @@ class LossConfig:
 
     # topk_rkl: truncated reverse KL on the teacher's top-K support (the default OPD loss);
     # sampled_opd: policy gradient with advantage -(log pi_s(y) - log pi_t(y)) on the sampled token;
-    # rkl / fkl / jsd: full-vocabulary divergences (need full teacher logits); sft: cross-entropy on targets.
+    # rkl / fkl / jsd: full-vocabulary divergences (need full teacher logits); sft: cross-entropy on targets;
+    # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`jopd.rl`).
     kind: LossKind = "topk_rkl"
     top_k: Annotated[int, pydantic.Field(ge=1)] = 32  # K; must match the teacher top-K in the batch
     # GKD convention: JSD_b = b KL(p_t||m) + (1-b) KL(p_s||m), m = b p_t + (1-b) p_s, with the limits of

@@ -63,7 +63,11 @@ OBJECTIVES: dict[str, Objective] = {
     "fkl": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.forward_kl(s, t))),
     "jsd": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.generalized_jsd(s, t, cfg.jsd_beta))),
     "sft": Objective((), (), lambda cfg, logits, inp: {}),
+    # RL baselines: the advantages (from correctness rewards, computed on the host by `jopd.rl`) arrive per token.
+    "reinforce": Objective((), ("advantages",), lambda cfg, logits, inp: {}),
+    "grpo": Objective((), ("advantages",), lambda cfg, logits, inp: {}),
 }
+PG_KINDS = ("reinforce", "grpo")
 
 
 def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -130,6 +134,11 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: Batch) -> tu
         per_position = policy_gradient_surrogate(logp, adv)
         metrics["divergence"] = masked_mean(logp_sg - teacher, mask)  # sampled reverse-KL estimate (k1)
         metrics["advantage_mean"] = masked_mean(adv, mask)
+    elif cfg.kind in PG_KINDS:
+        adv = jax.lax.stop_gradient(batch["advantages"].astype(jnp.float32))
+        per_position = policy_gradient_surrogate(logp, adv)
+        metrics["advantage_mean"] = masked_mean(adv, mask)
+        metrics["divergence"] = masked_mean(-logp_sg, mask)  # NLL of the sampled tokens (no teacher involved)
     else:
         per_position = -logp if cfg.kind == "sft" else terms["divergence"]
         metrics["divergence"] = masked_mean(jax.lax.stop_gradient(per_position), mask)
@@ -171,6 +180,7 @@ def token_loss(
       teacher_topk_logprobs   [B,T,K] fp32   kind=topk_rkl; teacher log-probs under its full softmax
       teacher_target_logprobs [B,T] fp32   kind=sampled_opd; log pi_t(targets)
       teacher_logits          [B,T,V] fp32   kind=rkl|fkl|jsd (comparison runs / small vocab)
+      advantages              [B,T] fp32   kind=reinforce|grpo: the sequence's advantage on each of its tokens
       sampler_logprobs        [B,T] fp32   log q(targets) from the sampler; required if is_mode != none,
                                             otherwise optional (adds mismatch / IS metrics)
       token_normalizer        []    fp32   optional denominator replacing the unmasked-token count

