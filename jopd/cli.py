@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)  # options may follow key=value overrides
+    args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as e:  # bad input: one clear line, no traceback
