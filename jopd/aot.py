@@ -26,22 +26,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jopd import mesh as meshlib
-from jopd.config import ModelSource, RunConfig
+from jopd.config import MODEL_DTYPES, ModelSource, RunConfig
 from jopd.losses.objectives import PG_KINDS
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
-from jopd.objectives import rollout_loss_fn
-from jopd.optim import make_optimizer
-from jopd.precision import prepare_sampler_params
 from jopd.rollout import loss_batch, score_with_teacher, sequence_layout
-from jopd.sampler import RowRandomness, Sampler, SamplerShardings
-from jopd.train_step import TrainState, init_train_state, make_train_step, opt_state_shardings
+from jopd.sampler import RowRandomness
+from jopd.stages import build_stages
+from jopd.train import resolve_loss_config
+from jopd.train_step import init_train_state
 
 # HBM per chip (GiB) by `device.device_kind`, with the chip's usual name. Public figures: v4 32 GiB,
 # v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB. A chip may appear as several devices (v4 topologies list
@@ -57,7 +55,6 @@ HBM_GIB_PER_CHIP: dict[str, tuple[str, float]] = {
 }
 STAGES: tuple[str, ...] = ("weight_sync", "sample", "teacher_scoring", "train_step")
 GiB = 1 << 30
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # ModelSource.dtype, as `models_setup.DTYPES`
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,16 +263,6 @@ def _bytes(tree) -> int:
     return total
 
 
-def abstract_train_state(params_abs, optimizer: optax.GradientTransformation, mesh) -> TrainState:
-    """`init_train_state` traced on abstract params (`jax.eval_shape`), with the trainer's shardings: optimizer
-    moments take their param's sharding (`train_step.opt_state_shardings`), scalars are replicated."""
-    state = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(0)), params_abs)
-    rep = NamedSharding(mesh, P())
-    shardings = TrainState(step=rep, params=jax.tree.map(lambda x: x.sharding, params_abs),
-                           opt_state=opt_state_shardings(optimizer, params_abs), rng=rep)
-    return _abstract(state, shardings)
-
-
 def _batched(tree, mesh, rules):
     """Attach the batch sharding (leading dim over data x fsdp) to every leaf of an eval_shape result."""
     return _abstract(tree, meshlib.batch_shardings(tree, mesh, rules))
@@ -342,28 +329,26 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
 
 
 def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh):
-    """The stages as `jopd.train.build` jits them, each with a thunk lowering it from abstract inputs and the
-    bytes per device of other stages' buffers alive while it runs. Returns ({stage: (lower, resident)},
-    {long-lived buffer: bytes per device})."""
+    """The stages exactly as `jopd.train.build` jits them (`stages.build_stages`), each with a thunk lowering it
+    from abstract inputs and the bytes per device of other stages' buffers alive while it runs. Returns
+    ({stage: (lower, resident)}, {long-lived buffer: bytes per device})."""
     # GRPO samples every prompt rl.group_size times (jopd.train repeats the prompt rows).
     B = cfg.data.batch_size * (cfg.rl.group_size if cfg.loss.kind == "grpo" else 1)
     Pl, N = cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
-    train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
-    s_dtype, t_dtype = DTYPES[cfg.student.dtype], DTYPES[cfg.teacher.dtype]
+    # Special-token masking needs the tokenizer but does not change any shape or memory.
+    st = build_stages(cfg, s_cfg, t_cfg, mesh, resolve_loss_config(cfg, tokenizer=None))
+    s_dtype = jnp.dtype(MODEL_DTYPES[cfg.student.dtype])
+    t_dtype = jnp.dtype(MODEL_DTYPES[cfg.teacher.dtype])
     precision = cfg.rollout_precision
-    loss_cfg = dataclasses.replace(cfg.loss, temperature=cfg.sampling.temperature)  # as train.resolve_loss_config
-    sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact")
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    sample_rules = meshlib.rules_for("sample", cfg.mesh)
 
     # Long-lived buffers, abstract and sharded as jopd.train.build places them.
-    student_sh = meshlib.param_shardings(s_cfg, mesh, train_rules)
-    sample_sh = meshlib.param_shardings(s_cfg, mesh, sample_rules)
-    state = abstract_train_state(_abstract(transformer.abstract_params(s_cfg, s_dtype), student_sh), optimizer, mesh)
-    teacher = _abstract(transformer.abstract_params(t_cfg, t_dtype), meshlib.param_shardings(t_cfg, mesh, train_rules))
-    sampler_params = _abstract(transformer.abstract_params(s_cfg, precision.dtype), sample_sh)
-    # Leading dim over data x fsdp, the rest replicated: a rank-1 spec, valid for the sampler's [B] outputs too.
-    batch_sh = meshlib.batch_sharding(mesh, sample_rules, (B,), where="data.batch_size")
-    cache_sh = meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"]
+    state = _abstract(jax.eval_shape(lambda p: init_train_state(p, st.optimizer, jax.random.key(0)),
+                                     transformer.abstract_params(s_cfg, s_dtype)), st.state_shardings)
+    teacher = _abstract(transformer.abstract_params(t_cfg, t_dtype), st.teacher_shardings)
+    sampler_params = _abstract(transformer.abstract_params(s_cfg, precision.dtype), st.sample_shardings)
+    meshlib.batch_sharding(mesh, sample_rules, (B,), where="data.batch_size")  # divisibility check, clear error
+    batch_sh, cache_sh = st.batch_sharding, st.cache_sharding
     cache = _abstract(jax.eval_shape(lambda: transformer.init_cache(s_cfg, B, Pl + N, precision.cache_dtype)),
                       {"k": cache_sh, "v": cache_sh})
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
@@ -374,27 +359,19 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     prompt = sds((B, Pl), jnp.int32, sharding=batch_sh)
     prompt_mask = sds((B, Pl), jnp.bool_, sharding=batch_sh)
     rand = RowRandomness(sds((B, N), jnp.float32, sharding=batch_sh), sds((B, 2), jnp.uint32, sharding=batch_sh))
-    sampler = Sampler(s_cfg, sampling, precision,
-                      shardings=SamplerShardings(params=sample_sh, batch=batch_sh, cache=cache_sh))
-    sample_out = jax.eval_shape(sampler.program, sampler_params, prompt, prompt_mask, rand, cache)
+    sample_out = jax.eval_shape(st.sampler.program, sampler_params, prompt, prompt_mask, rand, cache)
     rollout = _batched({k: v for k, v in sample_out._asdict().items() if k != "cache" and v is not None},
                        mesh, sample_rules)
     layout = _batched(jax.eval_shape(sequence_layout, prompt, prompt_mask, rollout["tokens_BxN"],
                                      rollout["lengths_B"]), mesh, sample_rules)
-    score_kw = dict(teacher_cfg=t_cfg, loss_cfg=loss_cfg, full_teacher_logits=loss_cfg.kind in ("rkl", "fkl", "jsd"))
-    scores = _batched(jax.eval_shape(lambda tp, lay: score_with_teacher(tp, lay, **score_kw), teacher, layout),
+    scores = _batched(jax.eval_shape(lambda tp, lay: score_with_teacher(tp, lay, **st.score_kw), teacher, layout),
                       mesh, sample_rules)
     is_lp = rollout["unprocessed_logprobs_BxN" if cfg.train.is_logprobs == "unprocessed" else "logprobs_BxN"]
     batch = loss_batch(layout, scores, sampler_logprobs_BxN=is_lp,
                        sampler_full_logprobs_BxNxV=rollout.get("full_logprobs_BxNxV"))
     if cfg.loss.kind in PG_KINDS:  # RL baselines: per-token advantages from correctness rewards
         batch["advantages"] = sds((B, N), jnp.float32, sharding=batch_sh)
-
-    sync = jax.jit(lambda p, k: prepare_sampler_params(p, precision, k), out_shardings=sample_sh)
-    step_fn = make_train_step(rollout_loss_fn(s_cfg, loss_cfg, s_dtype, remat=cfg.train.remat), optimizer,
-                              cfg.optim.grad_accum_steps)
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
-    train_step = jax.jit(step_fn, in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
+    sync, train_step, sampler = st.sync, st.train_step, st.sampler
 
     buffers = {"train_state": _bytes(state), "teacher_params": _bytes(teacher),
                "sampler_params": _bytes(sampler_params), "kv_cache": _bytes(cache), "rollout": _bytes(rollout)}
@@ -407,7 +384,7 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
                         | held("teacher_params", "kv_cache")),
         "sample": (lambda: sampler.program.lower(sampler_params, prompt, prompt_mask, rand, cache),
                    held("train_state", "teacher_params")),
-        "teacher_scoring": (lambda: score_with_teacher.lower(teacher, layout, **score_kw),
+        "teacher_scoring": (lambda: score_with_teacher.lower(teacher, layout, **st.score_kw),
                             held("train_state", "sampler_params", "kv_cache", "rollout")),
         "train_step": (lambda: train_step.lower(state, batch), held("teacher_params", "kv_cache")),
     }

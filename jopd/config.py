@@ -50,6 +50,9 @@ class WarmStartConfig:
     seed: int = 0
 
 
+MODEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # ModelSource.dtype -> params / compute dtype
+
+
 @config_dataclass
 class ModelSource:
     """Where a model comes from: a checkpoint path (HF dir or .gguf), or the built-in testbed recipe."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jopd.config import ModelSource, RunConfig, WarmStartConfig
+from jopd.config import MODEL_DTYPES, ModelSource, RunConfig, WarmStartConfig
 from jopd.data.pipeline import DataConfig, train_iterator
 from jopd.data.toy_tokenizer import build_toy_tokenizer
 from jopd.losses import LossConfig
@@ -30,7 +30,6 @@ from jopd.objectives import sft_loss_fn
 from jopd.optim import OptimConfig, make_optimizer
 from jopd.train_step import init_train_state, jit_train_step, make_train_step
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 _FORMAT_VERSION = 1  # bump when the testbed recipe changes in a way the hash does not see
 
 
@@ -91,7 +90,7 @@ def _testbed_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -
 
 def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer) -> tuple[ModelConfig, Any, str]:
     """(model config, params, where it came from) for `role` in {teacher, student}."""
-    dtype = DTYPES[src.dtype]
+    dtype = jnp.dtype(MODEL_DTYPES[src.dtype])
     if src.path is not None:
         model_cfg, params = io.load_params(src.path, dtype=dtype)
         return model_cfg, params, str(src.path)

@@ -20,24 +20,22 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jopd import mesh as meshlib
-from jopd.checkpoint import Checkpointer, CheckpointConfig, PreemptionGuard
+from jopd import rl
+from jopd.checkpoint import Checkpointer, PreemptionGuard
 from jopd.config import RunConfig, to_yaml
 from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.distributed import host_local_to_global, maybe_initialize
 from jopd.evaluate import compare_table, evaluate_heldout
-from jopd import rl
 from jopd.losses import LossConfig
 from jopd.losses.objectives import PG_KINDS
 from jopd.metrics import MetricsWriter, plot_curves
 from jopd.models.config import ModelConfig
-from jopd.models_setup import DTYPES, check_compatible, get_model, precheck_sources, run_tokenizer
-from jopd.objectives import rollout_loss_fn
-from jopd.optim import make_optimizer
-from jopd.precision import prepare_sampler_params
+from jopd.models_setup import check_compatible, get_model, precheck_sources, run_tokenizer
 from jopd.rollout import loss_batch, score_with_teacher, sequence_layout
-from jopd.sampler import Sampler, SamplerShardings, row_randomness
-from jopd.train_step import TrainState, init_train_state, jit_train_step, make_train_step
+from jopd.sampler import row_randomness
+from jopd.stages import Stages, build_stages
+from jopd.train_step import TrainState, init_train_state
 
 CURVES = ["loss", "reward", "divergence", "teacher_kl_k1", "topk_mass", "mismatch_kl", "response_len", "tokens_per_s"]
 
@@ -46,7 +44,7 @@ def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
     """Fill run-dependent loss fields: special-token mask from the tokenizer (EOS stays trained, so the student
     keeps learning when to stop), and the sampler's temperature (the loss compares distributions at it)."""
     special = cfg.loss.special_token_ids
-    if not special and cfg.train.mask_special_tokens:
+    if not special and cfg.train.mask_special_tokens and tokenizer is not None:
         eos = {tokenizer.eos_token_id}
         special = tuple(sorted(set(special_token_ids(tokenizer)) - eos))
     return dataclasses.replace(cfg.loss, special_token_ids=special, temperature=cfg.sampling.temperature)
@@ -54,20 +52,19 @@ def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
 
 @dataclasses.dataclass
 class Engines:
-    """Everything built once per run: compiled stages, shardings, models."""
+    """Everything built once per run: models, mesh and the jitted stages."""
 
     cfg: RunConfig
     tokenizer: Any
     student_cfg: ModelConfig
     teacher_cfg: ModelConfig
     teacher_params: Any
-    loss_cfg: LossConfig
     mesh: Any
-    state_shardings: Any
-    sampler: Sampler
-    sync: Any  # params -> sampler params (precision, noise, layout)
-    train_step: Any
-    batch_sharding: Any
+    stages: Stages
+
+    @property
+    def loss_cfg(self) -> LossConfig:
+        return self.stages.loss_cfg
 
 
 def _abstract_with_sharding(tree):
@@ -84,34 +81,11 @@ def build(cfg: RunConfig, log=print) -> tuple[Engines, TrainState]:
     log(f"teacher: {t_from}  student: {s_from}")
 
     mesh = meshlib.make_mesh(cfg.mesh)
-    train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
-    student_sh = meshlib.param_shardings(student_cfg, mesh, train_rules)
-    teacher_sh = meshlib.param_shardings(teacher_cfg, mesh, train_rules)
-    sample_sh = meshlib.param_shardings(student_cfg, mesh, sample_rules)
-    student_params = jax.device_put(student_params, student_sh)
-    teacher_params = jax.device_put(teacher_params, teacher_sh)
-
-    loss_cfg = resolve_loss_config(cfg, tokenizer)
-    total_steps = cfg.train.steps
-    optimizer = make_optimizer(cfg.optim, total_steps)
-    state = init_train_state(student_params, optimizer, jax.random.key(cfg.train.seed))
-    state_sh = meshlib.shardings_of(state)
-    batch_sh = meshlib.batch_sharding(mesh, sample_rules, ndim=1)  # P(batch): valid for any rank >= 1
-    cache_sh = meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"]
-
-    sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
-                                   max_new_tokens=cfg.sampling.max_new_tokens)
-    sampler = Sampler(student_cfg, sampling, cfg.rollout_precision,
-                      shardings=SamplerShardings(params=sample_sh, batch=batch_sh, cache=cache_sh))
-    precision = cfg.rollout_precision
-    sync = jax.jit(lambda p, k: prepare_sampler_params(p, precision, k), out_shardings=sample_sh)
-    dtype = DTYPES[cfg.student.dtype]
-    step_fn = make_train_step(rollout_loss_fn(student_cfg, loss_cfg, dtype, remat=cfg.train.remat), optimizer,
-                              cfg.optim.grad_accum_steps)
-    train_step = jax.jit(step_fn, in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
-    eng = Engines(cfg, tokenizer, student_cfg, teacher_cfg, teacher_params, loss_cfg, mesh, state_sh, sampler, sync,
-                  train_step, batch_sh)
-    return eng, state
+    stages = build_stages(cfg, student_cfg, teacher_cfg, mesh, resolve_loss_config(cfg, tokenizer))
+    student_params = jax.device_put(student_params, stages.student_shardings)
+    teacher_params = jax.device_put(teacher_params, stages.teacher_shardings)
+    state = init_train_state(student_params, stages.optimizer, jax.random.key(cfg.train.seed))
+    return Engines(cfg, tokenizer, student_cfg, teacher_cfg, teacher_params, mesh, stages), state
 
 
 def rollout_and_score(eng: Engines, state: TrainState, batch: dict[str, np.ndarray], step: int):
@@ -122,18 +96,17 @@ def rollout_and_score(eng: Engines, state: TrainState, batch: dict[str, np.ndarr
         batch = rl.repeat_for_groups(batch, cfg.rl.group_size)
     B = batch["prompt_tokens"].shape[0] * jax.process_count()
     step_key = jax.random.fold_in(state.rng, step)
-    sampler_params = eng.sync(state.params, jax.random.fold_in(step_key, 1))
+    sampler_params = eng.stages.sync(state.params, jax.random.fold_in(step_key, 1))
     first = step * B + jax.process_index() * batch["prompt_tokens"].shape[0]
     rand = row_randomness(cfg.train.seed * 1_000_003 + 7, first + np.arange(batch["prompt_tokens"].shape[0]),
-                          eng.sampler.sampling.max_new_tokens)
+                          eng.stages.sampler.sampling.max_new_tokens)
     local = {"prompt": batch["prompt_tokens"], "mask": batch["prompt_mask"].astype(bool), "u": rand.uniforms_BxN,
              "k": rand.noise_key_data_Bx2}
-    glob = host_local_to_global(local, eng.batch_sharding)
-    out = eng.sampler.sample_padded(sampler_params, glob["prompt"], glob["mask"],
+    glob = host_local_to_global(local, eng.stages.batch_sharding)
+    out = eng.stages.sampler.sample_padded(sampler_params, glob["prompt"], glob["mask"],
                                     type(rand)(glob["u"], glob["k"]))
     layout = sequence_layout(glob["prompt"], glob["mask"], out.tokens_BxN, out.lengths_B)
-    teacher = score_with_teacher(eng.teacher_params, layout, teacher_cfg=eng.teacher_cfg, loss_cfg=eng.loss_cfg,
-                                 full_teacher_logits=eng.loss_cfg.kind in ("rkl", "fkl", "jsd"))
+    teacher = score_with_teacher(eng.teacher_params, layout, **eng.stages.score_kw)
     is_lp = out.unprocessed_logprobs_BxN if cfg.train.is_logprobs == "unprocessed" else out.logprobs_BxN
     lb = loss_batch(layout, teacher, sampler_logprobs_BxN=is_lp, sampler_full_logprobs_BxNxV=out.full_logprobs_BxNxV)
     if rl_kind is not None:
@@ -149,14 +122,14 @@ def _rl_advantages(eng: Engines, kind: str, out, batch):
     rewards = rl.correctness_rewards(texts, batch["answer"])
     adv = rl.sequence_advantages(kind, rewards, eng.cfg.rl)
     adv_BxN = np.repeat(adv[:, None], tokens.shape[1], axis=1)
-    return host_local_to_global({"a": adv_BxN, "r": rewards}, eng.batch_sharding).values()
+    return host_local_to_global({"a": adv_BxN, "r": rewards}, eng.stages.batch_sharding).values()
 
 
 def _local_rows(eng: Engines, tree):
     if jax.process_count() == 1:
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
-    return multihost_utils.global_array_to_host_local_array(tree, eng.mesh, eng.batch_sharding.spec)
+    return multihost_utils.global_array_to_host_local_array(tree, eng.mesh, eng.stages.batch_sharding.spec)
 
 
 def run_eval(eng: Engines, params, name: str, out_dir: Path) -> dict[str, float]:
@@ -225,7 +198,7 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
             batch = next(data_it)
             with jax.set_mesh(eng.mesh):  # activations' batch constraints (transformer.constrain_batch)
                 lb, out = rollout_and_score(eng, state, batch, step)
-                state, metrics = eng.train_step(state, {k: v for k, v in lb.items() if k != "reward"})
+                state, metrics = eng.stages.train_step(state, {k: v for k, v in lb.items() if k != "reward"})
             reward = lb.get("reward")
             del lb  # freed once the step ran, not held through the next rollout ([B,N,V] with mismatch=exact)
             if pending is not None:
