@@ -70,8 +70,12 @@ def plot_curves(jsonl_path: str, png_path: str, keys: list[str], title: str = ""
     keys = [k for k in keys if any(k in r for r in rows)]
     if not keys:
         raise ValueError(f"{jsonl_path}: none of the metrics {keys} were logged")
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
-    for ax, k in zip(axes[0], keys):
+    cols = min(4, len(keys))
+    rows_n = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4 * cols, 3.2 * rows_n), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    for ax, k in zip(axes.flat, keys):
         pts = [(r["step"], r[k]) for r in rows if k in r and isinstance(r[k], (int, float))]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
         ax.set_title(k, fontsize=9)
