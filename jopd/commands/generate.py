@@ -1,6 +1,6 @@
 """Print a greedy completion of a prompt (chat template applied when the tokenizer has one).
 
-Interim "run" command until the OPD trainer exists; the real sampler lives in jopd.sampler.
+A quick check that a checkpoint loads and generates (SmolLM2-135M GGUF by default); rollouts use jopd.sampler.
 """
 
 from __future__ import annotations
