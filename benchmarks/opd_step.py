@@ -55,7 +55,8 @@ from jopd.config import load_config  # noqa: E402
 from jopd.data.pipeline import train_iterator  # noqa: E402
 from jopd.distributed import host_local_to_global  # noqa: E402
 from jopd.models import io  # noqa: E402
-from jopd.models_setup import DTYPES  # noqa: E402
+from jopd.config import MODEL_DTYPES  # noqa: E402
+from jopd.stages import FULL_TEACHER_KINDS  # noqa: E402
 from jopd.objectives import rollout_loss_fn  # noqa: E402
 from jopd.optim import make_optimizer  # noqa: E402
 from jopd.rollout import loss_batch, score_with_teacher, sequence_layout  # noqa: E402
@@ -91,11 +92,11 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 # engines
 
 
-def without_eos(eng: trainlib.Engines) -> None:
+def without_eos(eng: trainlib.Engines) -> trainlib.Engines:
     """Same sampler with no stop token: every row generates max_new_tokens (a fixed amount of work per step)."""
-    s = eng.sampler
-    eng.sampler = Sampler(dataclasses.replace(s.cfg, eos_token_id=None), s.sampling, s.precision,
-                          shardings=s.shardings)
+    s = eng.stages.sampler
+    sampler = Sampler(dataclasses.replace(s.cfg, eos_token_id=None), s.sampling, s.precision, shardings=s.shardings)
+    return dataclasses.replace(eng, stages=dataclasses.replace(eng.stages, sampler=sampler))
 
 
 def with_loss_kind(eng: trainlib.Engines, kind: str) -> trainlib.Engines:
@@ -103,11 +104,13 @@ def with_loss_kind(eng: trainlib.Engines, kind: str) -> trainlib.Engines:
     rebuilt exactly as `train.build` builds it."""
     loss_cfg = dataclasses.replace(eng.loss_cfg, kind=kind)
     cfg = eng.cfg
-    step_fn = make_train_step(rollout_loss_fn(eng.student_cfg, loss_cfg, DTYPES[cfg.student.dtype]),
+    step_fn = make_train_step(rollout_loss_fn(eng.student_cfg, loss_cfg, MODEL_DTYPES[cfg.student.dtype]),
                               make_optimizer(cfg.optim, cfg.train.steps), cfg.optim.grad_accum_steps)
-    step = jax.jit(step_fn, in_shardings=(eng.state_shardings, None), out_shardings=(eng.state_shardings, None),
-                   donate_argnums=0)
-    return dataclasses.replace(eng, loss_cfg=loss_cfg, train_step=step)
+    sh = eng.stages.state_shardings
+    step = jax.jit(step_fn, in_shardings=(sh, None), out_shardings=(sh, None), donate_argnums=0)
+    score_kw = dict(eng.stages.score_kw, loss_cfg=loss_cfg, full_teacher_logits=kind in FULL_TEACHER_KINDS)
+    return dataclasses.replace(eng, stages=dataclasses.replace(eng.stages, loss_cfg=loss_cfg, train_step=step,
+                                                               score_kw=score_kw))
 
 
 def build_testbed(work: Path, overrides: list[str]):
@@ -115,7 +118,7 @@ def build_testbed(work: Path, overrides: list[str]):
                                      f"train.cache_dir={work / 'cache'}", f"train.out_dir={work / 'run'}",
                                      *overrides])
     eng, state = trainlib.build(cfg, log=lambda m: None)
-    without_eos(eng)
+    eng = without_eos(eng)
     cache = work / "cache"
     pair = (next(cache.glob("testbed-teacher-*")), next(cache.glob("testbed-student-*")))
     return eng, state, pair
@@ -136,7 +139,7 @@ def build_smollm2(work: Path, student_layers: int, overrides: list[str]):
     cfg = load_config(str(TESTBED), [f"teacher.path={teacher}", f"student.path={student}",
                                      f"train.out_dir={work / 'run-smollm2'}", *overrides])
     eng, state = trainlib.build(cfg, log=lambda m: None)
-    without_eos(eng)
+    eng = without_eos(eng)
     return eng, state, (teacher, student)
 
 
@@ -154,19 +157,18 @@ def rollout(eng: trainlib.Engines, state, batch: dict, step: int):
     cfg = eng.cfg
     B = batch["prompt_tokens"].shape[0]
     step_key = jax.random.fold_in(state.rng, step)
-    sampler_params = eng.sync(state.params, jax.random.fold_in(step_key, 1))
-    rand = row_randomness(cfg.train.seed * 1_000_003 + 7, step * B + np.arange(B), eng.sampler.sampling.max_new_tokens)
+    sampler_params = eng.stages.sync(state.params, jax.random.fold_in(step_key, 1))
+    rand = row_randomness(cfg.train.seed * 1_000_003 + 7, step * B + np.arange(B), eng.stages.sampler.sampling.max_new_tokens)
     local = {"prompt": batch["prompt_tokens"], "mask": batch["prompt_mask"].astype(bool), "u": rand.uniforms_BxN,
              "k": rand.noise_key_data_Bx2}
-    glob = host_local_to_global(local, eng.batch_sharding)
-    out = eng.sampler.sample_padded(sampler_params, glob["prompt"], glob["mask"], type(rand)(glob["u"], glob["k"]))
+    glob = host_local_to_global(local, eng.stages.batch_sharding)
+    out = eng.stages.sampler.sample_padded(sampler_params, glob["prompt"], glob["mask"], type(rand)(glob["u"], glob["k"]))
     return glob, out
 
 
 def score(eng: trainlib.Engines, glob: dict, out) -> dict:
     layout = sequence_layout(glob["prompt"], glob["mask"], out.tokens_BxN, out.lengths_B)
-    teacher = score_with_teacher(eng.teacher_params, layout, teacher_cfg=eng.teacher_cfg, loss_cfg=eng.loss_cfg,
-                                 full_teacher_logits=eng.loss_cfg.kind in ("rkl", "fkl", "jsd"))
+    teacher = score_with_teacher(eng.teacher_params, layout, **eng.stages.score_kw)
     is_lp = out.unprocessed_logprobs_BxN if eng.cfg.train.is_logprobs == "unprocessed" else out.logprobs_BxN
     return loss_batch(layout, teacher, sampler_logprobs_BxN=is_lp, sampler_full_logprobs_BxNxV=out.full_logprobs_BxNxV)
 
@@ -184,7 +186,7 @@ def time_stages(eng, state, batches: list[dict], repeats: int):
     for r in range(repeats + 1):
         (glob, out), t_roll = _blocked(rollout, eng, state, batches[r % len(batches)], r)
         lb, t_score = _blocked(score, eng, glob, out)
-        (state, _), t_upd = _blocked(eng.train_step, state, lb)
+        (state, _), t_upd = _blocked(eng.stages.train_step, state, lb)
         for k, t in zip(STAGES, (t_roll, t_score, t_upd)):
             (times[k].append(t) if r else first.__setitem__(k, t))
     med = {k: float(np.median(v)) for k, v in times.items()}
@@ -205,24 +207,24 @@ def time_end_to_end(eng, state, batches: list[dict], repeats: int, first_step: i
     metrics = None
     for r in range(repeats):
         lb, _ = trainlib.rollout_and_score(eng, state, batches[r % len(batches)], first_step + r)
-        state, metrics = eng.train_step(state, lb)
+        state, metrics = eng.stages.train_step(state, lb)
     jax.block_until_ready((state, metrics))
     return state, (time.perf_counter() - t) / repeats
 
 
 def time_update_part(eng, state, glob, out, repeats: int):
     """Teacher scoring + train step on one fixed rollout batch, unblocked; seconds per update."""
-    state, _ = jax.block_until_ready(eng.train_step(state, score(eng, glob, out)))  # warm
+    state, _ = jax.block_until_ready(eng.stages.train_step(state, score(eng, glob, out)))  # warm
     t = time.perf_counter()
     metrics = None
     for _ in range(repeats):
-        state, metrics = eng.train_step(state, score(eng, glob, out))
+        state, metrics = eng.stages.train_step(state, score(eng, glob, out))
     jax.block_until_ready((state, metrics))
     return state, (time.perf_counter() - t) / repeats
 
 
 def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tuple]:
-    B, N = batches[0]["prompt_tokens"].shape[0], eng.sampler.sampling.max_new_tokens
+    B, N = batches[0]["prompt_tokens"].shape[0], eng.stages.sampler.sampling.max_new_tokens
     tokens = B * N
     state, med, first, fixed = time_stages(eng, state, batches, repeats)
     check_same_as_loop(eng, state, batches[0], 10_000)
