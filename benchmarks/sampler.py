@@ -7,14 +7,22 @@ the fraction of this machine's fp32 matmul rate (jnp.dot 2048^3, measured here) 
 FLOPs per new token = 2 * (matmul params) + attention over the context. jopd's compile time is separate.
 
     PYTHONPATH=. python benchmarks/sampler.py [--batch-sizes 1,16,64] [--skip-hf]
+
+On a machine without the GGUF (e.g. a GPU box), `--random-weights configs/arch/smollm2-135m-instruct/config.json`
+uses SmolLM2-135M's architecture with random weights (EOS is ignored, so the work per token is the same; only the
+top-p nucleus differs), written to a temporary HF directory for transformers; `--hf-device cuda` runs
+transformers on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -69,27 +77,42 @@ def bench_jopd(cfg, params, prompts: np.ndarray, new_tokens: int, top_p: float, 
 def bench_hf(model, prompts: np.ndarray, new_tokens: int, top_p: float, repeats: int):
     import torch
 
-    ids = torch.as_tensor(prompts, dtype=torch.long)
+    ids = torch.as_tensor(prompts, dtype=torch.long, device=model.device)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, top_p=top_p, top_k=0, temperature=1.0,
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
     def run():
         with torch.inference_mode():
             out = model.generate(ids, **kwargs)
-        assert out.shape[1] == ids.shape[1] + new_tokens
+        assert out.shape[1] == ids.shape[1] + new_tokens  # (the shape read also waits for a GPU to finish)
 
     torch.manual_seed(0)
+    run()  # warm-up (CUDA kernels / allocator); not counted
     best = min(_timed(run) for _ in range(repeats))
     return prompts.shape[0] * new_tokens / best
 
 
-def load_hf(path):
+def load_hf(path, device: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def random_model(config_json: str, out_dir: Path):
+    """SmolLM2's architecture with random fp32 weights, also saved as an HF directory for transformers."""
+    from jopd.models.config import ModelConfig
+    from jopd.models.transformer import init_params
+
+    cfg = ModelConfig.from_hf_dict(json.loads(Path(config_json).read_text()), source=config_json)
+    params = jax.device_get(init_params(cfg, jax.random.key(0), jnp.float32))
+    io.save_hf(params, cfg, out_dir)
+    return cfg, params, out_dir
 
 
 def main() -> None:
@@ -100,18 +123,25 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per setting (best is reported)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--random-weights", metavar="CONFIG_JSON", help="random weights of this architecture instead "
+                    "of the SmolLM2 GGUF")
+    ap.add_argument("--hf-device", default="cpu", help="torch device for transformers (cpu, cuda)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
 
     peak = matmul_gflops()
-    path = io.smollm2_gguf_path()
-    cfg, params = io.load_params(path, dtype=jnp.float32)
+    if args.random_weights:
+        cfg, params, path = random_model(args.random_weights, Path(tempfile.mkdtemp()) / "model")
+    else:
+        path = io.smollm2_gguf_path()
+        cfg, params = io.load_params(path, dtype=jnp.float32)
     cfg = dataclasses.replace(cfg, eos_token_id=None)  # generate all new tokens, as min_new_tokens does for HF
     flops = flops_per_new_token(cfg, params, args.prompt_tokens, args.new_tokens)
-    hf_model = None if args.skip_hf else load_hf(path)
+    hf_model = None if args.skip_hf else load_hf(path, args.hf_device)
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} ({os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at start); fp32 matmul rate {peak:.0f} GFLOP/s; {flops / 1e6:.0f} MFLOP per "
-          f"new token; {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, top-p {args.top_p}")
+          f"new token; {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, top-p {args.top_p}; "
+          f"{'random weights' if args.random_weights else 'SmolLM2 GGUF weights'}; transformers on {args.hf_device}")
     header = (f"{'batch':>5} | {'jopd tok/s':>10} | {'HF tok/s':>9} | {'ratio':>6} | {'jopd %peak':>10} | "
               f"{'HF %peak':>8} | {'jopd compile s':>14}")
     print(header)
