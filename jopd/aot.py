@@ -106,15 +106,16 @@ def model_config_of(src: ModelSource, role: str) -> ModelConfig:
         from jopd.models_setup import testbed_model_config
 
         return testbed_model_config(src, build_toy_tokenizer())
-    p = Path(src.path)
+    p = io.resolve_model_path(src.path)
     if not p.exists():
         raise FileNotFoundError(f"RunConfig.{role}.path: {p} does not exist (for sizing, point it at a directory "
                                 f"with the model's config.json, e.g. configs/arch/qwen3-8b)")
     if p.is_dir():
         has_weights = (p / SINGLE_FILE).is_file() or (p / INDEX_FILE).is_file()
         if not has_weights:
-            return read_hf_config(p)
-    return io.open_checkpoint(p)[0]  # validates every tensor's shape against the config (metadata only)
+            cfg = read_hf_config(p)
+            return dataclasses.replace(cfg, num_layers=src.num_layers) if src.num_layers else cfg
+    return io.open_checkpoint(p, src.num_layers)[0]  # validates every tensor's shape (metadata only)
 
 
 def param_count(cfg: ModelConfig) -> int:

