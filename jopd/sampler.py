@@ -73,7 +73,7 @@ class SampleOutput(NamedTuple):
 class SamplerShardings:
     """Optional placement on a mesh: `params` a pytree of shardings matching the params (e.g. `jopd.mesh`'s
     param_shardings with the sample rules), `batch` one sharding for every array with a leading batch axis
-    (its spec names the batch dim only), `cache` a sharding for the [L, B, K, S, Dh] cache arrays or a dict
+    (its spec names the batch dim only), `cache` a sharding for the [L, B, S, K, Dh] cache arrays or a dict
     {"k": ..., "v": ...} of them."""
 
     params: Any
