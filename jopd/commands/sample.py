@@ -26,7 +26,8 @@ from jopd.sampler import Sampler, SamplingConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF model directory or .gguf file")
+    parser.add_argument("--model", required=True,
+                        help="HF model directory, .gguf file, or a built-in name (smollm2-135m-instruct)")
     parser.add_argument("--prompts", required=True, help="JSONL file, one {\"prompt\": ...} per line")
     parser.add_argument("--out", required=True, help="output JSONL file")
     parser.add_argument("--precision", default="fp32", help=f"rollout precision ({' | '.join(PRESETS)})")
