@@ -11,7 +11,7 @@ from scipy.special import rel_entr
 from jopd.configlib import ConfigError, build
 from jopd.losses import (LossConfig, discounted_future_sum, forward_kl, generalized_jsd, importance_ratio,
                          importance_weights, is_metrics, loss_mask, mismatch_estimators, reverse_kl,
-                         token_logprobs, token_loss_from_logits, topk_reverse_kl)
+                         token_logprobs, token_loss_from_logits, topk_reverse_kl, topk_tail_reverse_kl)
 
 B, T, V, K = 2, 6, 11, 4
 SPECIAL = (9, 10)
@@ -41,7 +41,7 @@ def _batch(kind, s_logits, t_logits, k=K, seed=0, **extra):
     response[0, :2] = False  # prompt
     response[1, -1] = False  # padding
     batch = {"targets": jnp.asarray(targets, jnp.int32), "response_mask": jnp.asarray(response)}
-    if kind == "topk_rkl":
+    if kind in ("topk_rkl", "topk_rkl_tail"):
         batch["teacher_topk_ids"], batch["teacher_topk_logprobs"] = _teacher_topk(t_logits, k)
     elif kind == "sampled_opd":
         batch["teacher_target_logprobs"] = token_logprobs(jnp.asarray(t_logits, jnp.float32), batch["targets"])
@@ -119,13 +119,74 @@ def test_topk_rkl_with_k_equal_vocab_is_full_reverse_kl():
     np.testing.assert_allclose(metrics["teacher_topk_mass"], 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["topk_rkl", "rkl", "fkl", "jsd"])
+@pytest.mark.parametrize("kind", ["topk_rkl", "topk_rkl_tail", "rkl", "fkl", "jsd"])
 def test_zero_loss_and_gradient_when_student_equals_teacher(kind):
     t = _rand(6, (B, T, V))
     s = t + 3.0  # a constant shift leaves the distribution unchanged
     loss, grad = _loss_and_grad(_cfg(kind), s, _batch(kind, s, t))
     assert abs(float(loss)) < 1e-6
     assert float(jnp.max(jnp.abs(grad))) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- top-K + tail RKL
+
+def _np_topk_tail_rkl(s_logits, ids, t_logprobs):
+    """KL between the (K + 1)-outcome coarse-grainings, from probabilities (an independent formula)."""
+    p_s = np.take_along_axis(np.exp(np_log_softmax(s_logits, -1)), ids, -1)
+    p_t = np.exp(t_logprobs)
+    tail_s, tail_t = 1 - p_s.sum(-1), 1 - p_t.sum(-1)
+    return rel_entr(p_s, p_t).sum(-1) + rel_entr(tail_s, tail_t)
+
+
+def test_topk_tail_rkl_matches_formula_bounds_full_rkl_and_sees_off_support_mass():
+    s, t = _rand(11, (B, T, V)), _rand(12, (B, T, V))
+    batch = _batch("topk_rkl_tail", s, t)
+    ids, lps = np.asarray(batch["teacher_topk_ids"]), np.asarray(batch["teacher_topk_logprobs"])
+    loss, mass = topk_tail_reverse_kl(jnp.asarray(s, jnp.float32), batch["teacher_topk_ids"],
+                                      batch["teacher_topk_logprobs"])
+    np.testing.assert_allclose(loss, _np_topk_tail_rkl(s, ids, lps), rtol=1e-5, atol=1e-6)
+    full = np.asarray(reverse_kl(jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32)))
+    assert np.all(np.asarray(loss) <= full + 1e-6)  # coarse-graining never increases KL
+    # Moving student mass off the support, with the shape on the support unchanged: the renormalized loss
+    # cannot see it, the tail loss grows.
+    off = np.ones_like(s, bool)
+    np.put_along_axis(off, ids, False, -1)
+    s_off = np.where(off, s + 3.0, s)
+    renorm = [topk_reverse_kl(jnp.asarray(x, jnp.float32), batch["teacher_topk_ids"],
+                              batch["teacher_topk_logprobs"])[0] for x in (s, s_off)]
+    np.testing.assert_allclose(renorm[0], renorm[1], rtol=1e-5)
+    tail_off = topk_tail_reverse_kl(jnp.asarray(s_off, jnp.float32), batch["teacher_topk_ids"],
+                                    batch["teacher_topk_logprobs"])[0]
+    assert np.all(np.asarray(tail_off) > np.asarray(loss))
+
+
+def test_topk_tail_rkl_gradient_matches_finite_differences():
+    s, t = _rand(13, (3, V)), _rand(14, (3, V))
+    coef = np.array([0.7, -1.3, 2.1])
+    with jax.enable_x64(True):
+        vals, ids = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(t), -1), K)
+        ids_np, vals_np = np.asarray(ids), np.asarray(vals)
+        grad = np.asarray(jax.grad(lambda x: jnp.sum(coef * topk_tail_reverse_kl(x, ids, vals)[0]))(jnp.asarray(s)))
+    eps = 1e-6
+    fd = np.zeros_like(s)
+    for idx in np.ndindex(*s.shape):
+        plus, minus = s.copy(), s.copy()
+        plus[idx] += eps
+        minus[idx] -= eps
+        fd[idx] = (coef @ _np_topk_tail_rkl(plus, ids_np, vals_np)
+                   - coef @ _np_topk_tail_rkl(minus, ids_np, vals_np)) / (2 * eps)
+    np.testing.assert_allclose(grad, fd, atol=1e-8)
+    off_support = np.ones_like(s, bool)
+    np.put_along_axis(off_support, ids_np, False, -1)
+    assert np.all(np.abs(grad[off_support]) > 0)  # unlike the renormalized loss, off-support logits get a gradient
+
+
+def test_topk_tail_rkl_with_k_equal_vocab_is_full_reverse_kl():
+    s, t = _rand(15, (B, T, V)), _rand(16, (B, T, V))
+    l_tail, g_tail = _loss_and_grad(_cfg("topk_rkl_tail", top_k=V), s, _batch("topk_rkl_tail", s, t, k=V))
+    l_full, g_full = _loss_and_grad(_cfg("rkl"), s, _batch("rkl", s, t))
+    np.testing.assert_allclose(l_tail, l_full, rtol=1e-5)
+    np.testing.assert_allclose(g_tail, g_full, rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- masks
@@ -137,7 +198,7 @@ def test_loss_mask_drops_prompt_padding_and_special_targets():
     np.testing.assert_array_equal(loss_mask(response, targets, ()), response)
 
 
-@pytest.mark.parametrize("kind,extra", [("topk_rkl", {}), ("rkl", {}), ("fkl", {}), ("jsd", {"jsd_beta": 0.3}),
+@pytest.mark.parametrize("kind,extra", [("topk_rkl", {}), ("topk_rkl_tail", {}), ("rkl", {}), ("fkl", {}), ("jsd", {"jsd_beta": 0.3}),
                                         ("sft", {}), ("sampled_opd", {"gamma": 0.9}),
                                         ("topk_rkl", {"is_mode": "tis"}), ("sampled_opd", {"is_mode": "icepop"})])
 def test_masked_positions_contribute_nothing(kind, extra):

@@ -7,7 +7,7 @@ over T); teacher side: `teacher_scores` / `teacher_topk` (chunked top-K of the t
 from jopd.losses.chunked import chunked_logits_map, teacher_scores, teacher_topk
 from jopd.losses.config import LossConfig
 from jopd.losses.divergences import (cross_entropy, forward_kl, generalized_jsd, reverse_kl, token_logprobs,
-                                     topk_reverse_kl)
+                                     topk_reverse_kl, topk_tail_reverse_kl)
 from jopd.losses.is_correction import importance_ratio, importance_weights, is_metrics, mismatch_estimators
 from jopd.losses.masks import loss_mask, masked_mean
 from jopd.losses.objectives import OBJECTIVES, token_loss, token_loss_from_logits
@@ -15,7 +15,7 @@ from jopd.losses.policy_gradient import discounted_future_sum, opd_advantages, p
 
 __all__ = [
     "LossConfig", "OBJECTIVES", "token_loss", "token_loss_from_logits", "teacher_scores", "teacher_topk",
-    "chunked_logits_map", "topk_reverse_kl", "reverse_kl", "forward_kl", "generalized_jsd", "cross_entropy",
+    "chunked_logits_map", "topk_reverse_kl", "topk_tail_reverse_kl", "reverse_kl", "forward_kl", "generalized_jsd", "cross_entropy",
     "token_logprobs", "importance_ratio", "importance_weights", "is_metrics", "mismatch_estimators",
     "loss_mask", "masked_mean", "discounted_future_sum", "opd_advantages", "policy_gradient_surrogate",
 ]

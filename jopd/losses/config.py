@@ -8,7 +8,7 @@ import pydantic
 
 from jopd.configlib import config_dataclass
 
-LossKind = Literal["topk_rkl", "sampled_opd", "rkl", "fkl", "jsd", "sft", "reinforce", "grpo"]
+LossKind = Literal["topk_rkl", "topk_rkl_tail", "sampled_opd", "rkl", "fkl", "jsd", "sft", "reinforce", "grpo"]
 ISMode = Literal["none", "tis", "icepop"]
 
 _Pos = pydantic.Field(gt=0)
@@ -19,6 +19,7 @@ class LossConfig:
     """Frozen and hashable, so it can be a static argument of the jitted train step."""
 
     # topk_rkl: truncated reverse KL on the teacher's top-K support (the default OPD loss);
+    # topk_rkl_tail: the same support plus one "tail" outcome, not renormalized (penalizes off-support mass);
     # sampled_opd: policy gradient with advantage -(log pi_s(y) - log pi_t(y)) on the sampled token;
     # rkl / fkl / jsd: full-vocabulary divergences (need full teacher logits); sft: cross-entropy on targets;
     # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`jopd.rl`).

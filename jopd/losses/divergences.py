@@ -40,6 +40,35 @@ def topk_reverse_kl(
     return loss, jax.lax.stop_gradient(jnp.exp(log_mass))
 
 
+def _log1m_mass(log_mass: jax.Array) -> jax.Array:
+    """log(1 - m) from log m, for the tail of a top-K support; m may round to >= 1, so it is kept just below."""
+    log_mass = jnp.minimum(log_mass, -1e-7)
+    return jnp.log(-jnp.expm1(log_mass))
+
+
+def topk_tail_reverse_kl(
+    student_logits_NxV: Float[Array, "*N V"],
+    teacher_ids_NxK: Int[Array, "*N K"],
+    teacher_logprobs_NxK: Float[Array, "*N K"],
+) -> tuple[Float[Array, "*N"], Float[Array, "*N"]]:
+    """Reverse KL between the two distributions coarse-grained to K + 1 outcomes: each of the teacher's top-K
+    tokens S (probabilities under the full softmaxes, not renormalized) and "any other token" (the tail).
+
+    loss = sum_{v in S} p_s(v) (log p_s(v) - log p_t(v)) + p_s(tail) (log p_s(tail) - log p_t(tail)).
+    Unlike `topk_reverse_kl`, mass the student moves off the teacher's top-K is penalized; it is a lower bound
+    of the full reverse KL (coarse-graining never increases KL) and equals it when K = V. Needs the same batch
+    (teacher top-K ids and full-softmax log-probs). Returns (loss, student top-K mass, stop-gradient).
+    """
+    s_on_support = jnp.take_along_axis(student_logits_NxV, teacher_ids_NxK.astype(jnp.int32), axis=-1)
+    log_ps = s_on_support - jax.nn.logsumexp(student_logits_NxV, axis=-1, keepdims=True)
+    log_pt = teacher_logprobs_NxK.astype(log_ps.dtype)
+    log_ps_tail = _log1m_mass(jax.nn.logsumexp(log_ps, axis=-1))
+    log_pt_tail = _log1m_mass(jax.nn.logsumexp(log_pt, axis=-1))
+    loss = (jnp.sum(jnp.exp(log_ps) * (log_ps - log_pt), axis=-1)
+            + jnp.exp(log_ps_tail) * (log_ps_tail - log_pt_tail))
+    return loss, jax.lax.stop_gradient(jnp.exp(jax.nn.logsumexp(log_ps, axis=-1)))
+
+
 def _kl_from_logprobs(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
     """KL(p||q) = sum p (log p - log q) over the last axis, from normalized log-probabilities."""
     return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)

@@ -48,6 +48,11 @@ def _topk_rkl(cfg, logits, inp):
     return {"divergence": loss, "topk_mass": mass}
 
 
+def _topk_rkl_tail(cfg, logits, inp):
+    loss, mass = div.topk_tail_reverse_kl(logits, inp["teacher_topk_ids"], inp["teacher_topk_logprobs"])
+    return {"divergence": loss, "topk_mass": mass}
+
+
 def _full(divergence):
     """A full-vocabulary divergence against `teacher_logits` (scaled by the same temperature)."""
     def per_position(cfg, logits, inp):
@@ -58,6 +63,7 @@ def _full(divergence):
 
 OBJECTIVES: dict[str, Objective] = {
     "topk_rkl": Objective(("teacher_topk_ids", "teacher_topk_logprobs"), (), _topk_rkl),
+    "topk_rkl_tail": Objective(("teacher_topk_ids", "teacher_topk_logprobs"), (), _topk_rkl_tail),
     "sampled_opd": Objective((), ("teacher_target_logprobs",), lambda cfg, logits, inp: {}),
     "rkl": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.reverse_kl(s, t))),
     "fkl": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.forward_kl(s, t))),
@@ -99,7 +105,7 @@ def _check_batch(cfg: LossConfig, batch: Batch, B: int, T: int, vocab: int | Non
         if tuple(batch[key].shape[:2]) != (B, T):
             raise ValueError(f"loss batch[{key!r}]: shape {tuple(batch[key].shape)} does not start with "
                              f"(B, T)={(B, T)}")
-    if cfg.kind == "topk_rkl":
+    if cfg.kind in ("topk_rkl", "topk_rkl_tail"):
         ids, lps = batch["teacher_topk_ids"], batch["teacher_topk_logprobs"]
         if ids.shape != (B, T, cfg.top_k) or lps.shape != ids.shape:
             raise ValueError(f"loss batch: teacher_topk_ids {tuple(ids.shape)} and teacher_topk_logprobs "
