@@ -83,16 +83,16 @@ def test_topk_rkl_matches_numpy_formula_and_token_mean():
                                rtol=1e-5)
 
 
-def test_topk_rkl_gradient_matches_finite_differences():
-    # float64 (scoped) so central differences are exact to ~1e-10: truncation eps^2 * f''' ~ 1e-12, roundoff
-    # 1e-16 / eps ~ 1e-10; the numpy formula being differenced is an independent implementation.
-    s, t = _rand(2, (3, V)), _rand(3, (3, V))
+def _gradient_vs_central_differences(jax_loss, np_loss, seed):
+    """float64 (scoped) so central differences are exact to ~1e-10: truncation eps^2 * (third derivative) ~ 1e-12, roundoff
+    1e-16 / eps ~ 1e-10; the numpy formula being differenced is an independent implementation.
+    Returns (gradient, finite differences, off-support mask)."""
+    s, t = _rand(seed, (3, V)), _rand(seed + 1, (3, V))
     coef = np.array([0.7, -1.3, 2.1])
     with jax.enable_x64(True):
-        lp = jax.nn.log_softmax(jnp.asarray(t), -1)
-        vals, ids = jax.lax.top_k(lp, K)
+        vals, ids = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(t), -1), K)
         ids_np, vals_np = np.asarray(ids), np.asarray(vals)
-        grad = jax.grad(lambda x: jnp.sum(coef * topk_reverse_kl(x, ids, vals)[0]))(jnp.asarray(s))
+        grad = jax.grad(lambda x: jnp.sum(coef * jax_loss(x, ids, vals)[0]))(jnp.asarray(s))
         assert grad.dtype == jnp.float64
     eps = 1e-6
     fd = np.zeros_like(s)
@@ -100,21 +100,26 @@ def test_topk_rkl_gradient_matches_finite_differences():
         plus, minus = s.copy(), s.copy()
         plus[idx] += eps
         minus[idx] -= eps
-        fd[idx] = (coef @ _np_topk_rkl(plus, ids_np, vals_np) - coef @ _np_topk_rkl(minus, ids_np, vals_np)) / (2 * eps)
-    np.testing.assert_allclose(np.asarray(grad), fd, atol=1e-8)
+        fd[idx] = (coef @ np_loss(plus, ids_np, vals_np) - coef @ np_loss(minus, ids_np, vals_np)) / (2 * eps)
     off_support = np.ones_like(s, bool)
     np.put_along_axis(off_support, ids_np, False, -1)
-    assert np.all(np.asarray(grad)[off_support] == 0.0)  # the loss only sees logits on the support
+    return np.asarray(grad), fd, off_support
 
 
-def test_topk_rkl_with_k_equal_vocab_is_full_reverse_kl():
+def test_topk_rkl_gradient_matches_finite_differences():
+    grad, fd, off_support = _gradient_vs_central_differences(topk_reverse_kl, _np_topk_rkl, seed=2)
+    np.testing.assert_allclose(grad, fd, atol=1e-8)
+    assert np.all(grad[off_support] == 0.0)  # the loss only sees logits on the support
+
+
+@pytest.mark.parametrize("kind,atol", [("topk_rkl", 1e-7), ("topk_rkl_tail", 1e-6)])
+def test_topk_losses_with_k_equal_vocab_are_full_reverse_kl(kind, atol):
     s, t = _rand(4, (B, T, V)), _rand(5, (B, T, V))
-    l_topk, g_topk = _loss_and_grad(_cfg("topk_rkl", top_k=V), s, _batch("topk_rkl", s, t, k=V))
+    l_topk, g_topk = _loss_and_grad(_cfg(kind, top_k=V), s, _batch(kind, s, t, k=V))
     l_full, g_full = _loss_and_grad(_cfg("rkl"), s, _batch("rkl", s, t))
     np.testing.assert_allclose(l_topk, l_full, rtol=1e-5)
-    np.testing.assert_allclose(g_topk, g_full, rtol=1e-4, atol=1e-7)
-    _, metrics = token_loss_from_logits(_cfg("topk_rkl", top_k=V), jnp.asarray(s, jnp.float32),
-                                        _batch("topk_rkl", s, t, k=V))
+    np.testing.assert_allclose(g_topk, g_full, rtol=1e-4, atol=atol)
+    _, metrics = token_loss_from_logits(_cfg(kind, top_k=V), jnp.asarray(s, jnp.float32), _batch(kind, s, t, k=V))
     np.testing.assert_allclose(metrics["topk_mass"], 1.0, rtol=1e-6)
     np.testing.assert_allclose(metrics["teacher_topk_mass"], 1.0, rtol=1e-6)
 
@@ -161,32 +166,9 @@ def test_topk_tail_rkl_matches_formula_bounds_full_rkl_and_sees_off_support_mass
 
 
 def test_topk_tail_rkl_gradient_matches_finite_differences():
-    s, t = _rand(13, (3, V)), _rand(14, (3, V))
-    coef = np.array([0.7, -1.3, 2.1])
-    with jax.enable_x64(True):
-        vals, ids = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(t), -1), K)
-        ids_np, vals_np = np.asarray(ids), np.asarray(vals)
-        grad = np.asarray(jax.grad(lambda x: jnp.sum(coef * topk_tail_reverse_kl(x, ids, vals)[0]))(jnp.asarray(s)))
-    eps = 1e-6
-    fd = np.zeros_like(s)
-    for idx in np.ndindex(*s.shape):
-        plus, minus = s.copy(), s.copy()
-        plus[idx] += eps
-        minus[idx] -= eps
-        fd[idx] = (coef @ _np_topk_tail_rkl(plus, ids_np, vals_np)
-                   - coef @ _np_topk_tail_rkl(minus, ids_np, vals_np)) / (2 * eps)
+    grad, fd, off_support = _gradient_vs_central_differences(topk_tail_reverse_kl, _np_topk_tail_rkl, seed=13)
     np.testing.assert_allclose(grad, fd, atol=1e-8)
-    off_support = np.ones_like(s, bool)
-    np.put_along_axis(off_support, ids_np, False, -1)
     assert np.all(np.abs(grad[off_support]) > 0)  # unlike the renormalized loss, off-support logits get a gradient
-
-
-def test_topk_tail_rkl_with_k_equal_vocab_is_full_reverse_kl():
-    s, t = _rand(15, (B, T, V)), _rand(16, (B, T, V))
-    l_tail, g_tail = _loss_and_grad(_cfg("topk_rkl_tail", top_k=V), s, _batch("topk_rkl_tail", s, t, k=V))
-    l_full, g_full = _loss_and_grad(_cfg("rkl"), s, _batch("rkl", s, t))
-    np.testing.assert_allclose(l_tail, l_full, rtol=1e-5)
-    np.testing.assert_allclose(g_tail, g_full, rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- masks
