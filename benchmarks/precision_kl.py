@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jopd.lab.mismatch import exact_kl_BxT, mismatch_estimators  # noqa: E402
+from jopd.lab.mismatch import exact_kl_BxT, mismatch_estimators, trainer_response_logits  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.models import transformer as T  # noqa: E402
 from jopd.precision import precision_from_name, prepare_sampler_params  # noqa: E402
@@ -53,13 +53,7 @@ def main() -> None:
         precision = precision_from_name(name, logit_noise=logit_sigma, weight_noise=weight_sigma)
         rollout = prepare_sampler_params(params, precision, jax.random.key(0))
         out = Sampler(cfg, sampling, precision).generate(rollout, prompts, seed=0)
-        width = max(len(p) for p in prompts) + n
-        toks = np.zeros((len(prompts), width), np.int32)
-        mask = np.zeros((len(prompts), width), bool)
-        for i, p in enumerate(prompts):
-            toks[i, :len(p) + n], mask[i, :len(p) + n] = p + out.tokens_BxN[i].tolist(), True
-        logits = trainer(params, toks, mask)
-        trainer_BxNxV = jnp.stack([logits[i, len(p) - 1:len(p) - 1 + n] for i, p in enumerate(prompts)])
+        trainer_BxNxV = trainer_response_logits(lambda t, m: trainer(params, t, m), prompts, out.tokens_BxN)
         m = out.response_mask_BxN
         kl = np.asarray(exact_kl_BxT(out.full_logprobs_BxNxV, trainer_BxNxV, args.temperature))[m]
         trainer_logp = jax.nn.log_softmax(trainer_BxNxV / args.temperature, axis=-1)

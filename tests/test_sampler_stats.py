@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jopd.lab.mismatch import exact_kl_BxT
+from jopd.lab.mismatch import exact_kl_BxT, trainer_response_logits
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.precision import PrecisionConfig, precision_from_name, prepare_sampler_params
@@ -85,13 +85,7 @@ def test_exact_kl_orders_precision_policies():
     for name in ("fp32", "fp16", "bf16", "fp8", "int8"):
         precision = precision_from_name(name)
         out = Sampler(CFG, sampling, precision).generate(prepare_sampler_params(params, precision), prompts, seed=0)
-        width = max(map(len, prompts)) + n
-        toks = np.zeros((len(prompts), width), np.int32)
-        mask = np.zeros((len(prompts), width), bool)
-        for i, p in enumerate(prompts):
-            toks[i, :len(p) + n], mask[i, :len(p) + n] = p + out.tokens_BxN[i].tolist(), True
-        logits = forward(params, toks, mask)
-        trainer = np.stack([logits[i, len(p) - 1:len(p) - 1 + n] for i, p in enumerate(prompts)])
+        trainer = trainer_response_logits(lambda t, m: forward(params, t, m), prompts, out.tokens_BxN)
         kl[name] = float(jnp.mean(exact_kl_BxT(out.full_logprobs_BxNxV, trainer, 1.0)))
     print("mean exact KL to the fp32 trainer (nats/token):", {k: f"{v:.3g}" for k, v in kl.items()})
     assert abs(kl["fp32"]) < 1e-6

@@ -34,3 +34,12 @@ gcloud_scope() {
   SCOPE=(--zone "$1")
   if [ -n "${PROJECT:-}" ]; then SCOPE+=(--project "${PROJECT}"); fi
 }
+
+slice_args() {  # the NAME ZONE arguments of stop.sh / teardown.sh: checked, gcloud found, scope set
+  [ "$#" -eq 2 ] || usage "expected NAME ZONE"
+  NAME="$1"; ZONE="$2"
+  check_name "${NAME}"
+  check_zone "${ZONE}"
+  need_gcloud
+  gcloud_scope "${ZONE}"
+}

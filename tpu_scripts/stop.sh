@@ -8,12 +8,7 @@ env: PROJECT, DRY_RUN=1 (print the gcloud commands only)"
 # shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-[ "$#" -eq 2 ] || usage "expected NAME ZONE"
-NAME="$1"; ZONE="$2"
-check_name "${NAME}"
-check_zone "${ZONE}"
-need_gcloud
-gcloud_scope "${ZONE}"
+slice_args "$@"
 
 echo "sending SIGTERM to jopd train on every worker of ${NAME}" >&2
 run gcloud compute tpus tpu-vm ssh "${NAME}" "${SCOPE[@]}" --worker=all --command \

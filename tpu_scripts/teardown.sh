@@ -7,12 +7,7 @@ env: PROJECT, DRY_RUN=1 (print the gcloud commands only)"
 # shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-[ "$#" -eq 2 ] || usage "expected NAME ZONE"
-NAME="$1"; ZONE="$2"
-check_name "${NAME}"
-check_zone "${ZONE}"
-need_gcloud
-gcloud_scope "${ZONE}"
+slice_args "$@"
 
 if [ "${DRY_RUN:-0}" = 1 ] || gcloud compute tpus queued-resources describe "${NAME}" "${SCOPE[@]}" >/dev/null 2>&1; then
   echo "deleting queued resource ${NAME} and its TPU node in ${ZONE}" >&2

@@ -7,9 +7,12 @@ Pure functions over arrays (jit-able); the caller supplies the masks of real res
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
 
 
 def exact_kl_BxT(sampler_logprobs_BxTxV: Float[Array, "B T V"], trainer_logits_BxTxV: Float[Array, "B T V"],
@@ -22,6 +25,22 @@ def exact_kl_BxT(sampler_logprobs_BxTxV: Float[Array, "B T V"], trainer_logits_B
     q = jnp.exp(log_q)
     # q == 0 terms contribute 0 (and log_q may be -inf there).
     return jnp.sum(jnp.where(q > 0, q * (log_q - log_p), 0.0), axis=-1)
+
+
+def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Array],
+                            prompts: Sequence[Sequence[int]], tokens_BxN: Int[Array, "B N"]) -> Float[Array, "B N V"]:
+    """The trainer's logits for each response position of the sampler's output: prompt + response (right-padded,
+    all N response slots kept) through `logits_fn(tokens_BxT, mask_BxT) -> logits_BxTxV`; row b's response slot t
+    is predicted at position len(prompt_b) - 1 + t."""
+    tokens_BxN = np.asarray(tokens_BxN)
+    n = tokens_BxN.shape[1]
+    width = max(map(len, prompts)) + n
+    toks = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros((len(prompts), width), bool)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p) + n], mask[i, :len(p) + n] = list(p) + tokens_BxN[i].tolist(), True
+    logits = logits_fn(toks, mask)
+    return jnp.stack([logits[i, len(p) - 1:len(p) - 1 + n] for i, p in enumerate(prompts)])
 
 
 def masked_mean(x_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
