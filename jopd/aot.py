@@ -350,8 +350,8 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     sampler_params = _abstract(transformer.abstract_params(s_cfg, precision.dtype), st.sample_shardings)
     meshlib.batch_sharding(mesh, sample_rules, (B,), where="data.batch_size")  # divisibility check, clear error
     batch_sh, cache_sh = st.batch_sharding, st.cache_sharding
-    cache = _abstract(jax.eval_shape(lambda: transformer.init_cache(s_cfg, B, Pl + N, precision.cache_dtype)),
-                      {"k": cache_sh, "v": cache_sh})
+    cache_shapes = jax.eval_shape(lambda: transformer.init_cache(s_cfg, B, Pl + N, precision.cache_dtype))
+    cache = _abstract(cache_shapes, jax.tree.map(lambda _: cache_sh, cache_shapes))
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=NamedSharding(mesh, P()))
 

@@ -335,8 +335,8 @@ def activation_sharding(logical: Sequence[str | None], mesh: Mesh, rules: AxisRu
 
 
 def cache_logical_axes() -> dict[str, tuple[str, ...]]:
-    """Logical axes of the KV cache {"k","v": [L, B, S, K, Dh]} from `transformer.init_cache`."""
-    axes = ("layers", "batch", "cache_length", "act_kv_heads", "act_head_dim")
+    """Logical axes of each per-layer KV-cache buffer {"k","v": L x [B, K, S, Dh]} from `transformer.init_cache`."""
+    axes = ("batch", "act_kv_heads", "cache_length", "act_head_dim")
     return {"k": axes, "v": axes}
 
 

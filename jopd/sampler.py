@@ -73,8 +73,8 @@ class SampleOutput(NamedTuple):
 class SamplerShardings:
     """Optional placement on a mesh: `params` a pytree of shardings matching the params (e.g. `jopd.mesh`'s
     param_shardings with the sample rules), `batch` one sharding for every array with a leading batch axis
-    (its spec names the batch dim only), `cache` a sharding for the [L, B, S, K, Dh] cache arrays or a dict
-    {"k": ..., "v": ...} of them."""
+    (its spec names the batch dim only), `cache` a sharding for every per-layer [B, K, S, Dh] cache buffer
+    (`transformer.init_cache`) or a dict {"k": ..., "v": ...} of them."""
 
     params: Any
     batch: Any
@@ -274,6 +274,7 @@ def sample_padded(
     B, P = prompt_BxP.shape
     N = sampling.max_new_tokens
     V = cfg.vocab_size
+    params = transformer.unstack_layers(params)  # once per call, not per decode step
     fwd = dict(cfg=cfg, dtype=precision.dtype, logits_dtype=precision.logits_jnp_dtype)
     stop_ids = jnp.asarray(sorted(set(cfg.eos_ids) | set(sampling.stop_token_ids)) or [-1], jnp.int32)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids or (0,))[0]
@@ -423,7 +424,8 @@ class Sampler:
     def new_cache(self, batch: int, slots: int) -> transformer.KVCache:
         cache = transformer.init_cache(self.cfg, batch, slots, self.precision.cache_dtype)
         if self.shardings is not None:
-            cache = jax.device_put(cache, self.shardings.cache_dict)
+            sh = self.shardings.cache_dict
+            cache = jax.device_put(cache, {name: tuple(sh[name] for _ in bufs) for name, bufs in cache.items()})
         return cache
 
     def sample_padded(self, params, prompt_BxP, prompt_mask_BxP, rand: RowRandomness) -> SampleOutput:

@@ -129,7 +129,7 @@ def test_sharded_sampler_equals_unsharded():
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))  # PROMPTS pad to a batch of 4
     repl = NamedSharding(mesh, P())
     shardings = SamplerShardings(params=jax.tree.map(lambda _: repl, params), batch=NamedSharding(mesh, P("data")),
-                                 cache=NamedSharding(mesh, P(None, "data")))
+                                 cache=NamedSharding(mesh, P("data")))
     sharded = Sampler(CFG, PLAIN, shardings=shardings).generate(jax.device_put(params, repl), PROMPTS, seed=3)
     plain = Sampler(CFG, PLAIN).generate(params, PROMPTS, seed=3)
     np.testing.assert_array_equal(sharded.tokens_BxN, plain.tokens_BxN)

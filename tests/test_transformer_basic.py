@@ -48,3 +48,12 @@ def test_nnx_wrapper_uses_the_same_forward():
     np.testing.assert_array_equal(via_module, via_pure)
     np.testing.assert_array_equal(via_merge, via_pure)
     assert jax.tree.structure(T.params_of(model)) == jax.tree.structure(T.abstract_params(CFG))
+
+
+def test_unstacked_layers_run_the_same_forward():
+    params = T.init_params(CFG, jax.random.key(0))
+    toks = jax.random.randint(jax.random.key(2), (2, 7), 0, 61)
+    unstacked = T.unstack_layers(params)
+    assert isinstance(unstacked["layers"], tuple) and len(unstacked["layers"]) == CFG.num_layers
+    np.testing.assert_allclose(T.forward(unstacked, toks, cfg=CFG)[0], T.forward(params, toks, cfg=CFG)[0],
+                               atol=1e-6, rtol=0)

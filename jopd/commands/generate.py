@@ -27,6 +27,7 @@ def greedy_tokens(params: T.Params, prompt_BxP: Int[Array, "B P"], *, cfg: Model
     """Greedy continuation of unpadded prompts: one prefill pass, then KV-cache decode steps in a fori_loop.
     Runs all `max_new_tokens` steps (the caller cuts at EOS)."""
     B, P = prompt_BxP.shape
+    params = T.unstack_layers(params)  # once, outside the decode loop
     cache = T.init_cache(cfg, B, P + max_new_tokens, dtype)
     logits, cache = T.forward(params, prompt_BxP, cfg=cfg, cache=cache, cache_index=0, dtype=dtype)
     out_BxN = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(jnp.argmax(logits[:, -1], -1))

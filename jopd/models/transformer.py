@@ -2,7 +2,11 @@
 
 One forward implementation serves the trainer (full sequences), the teacher (scoring) and the sampler
 (prefill + KV-cache decode). Layers are stacked on a leading `L` axis and run with `lax.scan`, so compile
-time does not grow with depth. `Transformer` (Flax NNX) is a thin stateful wrapper over the same functions.
+time does not grow with depth. With a KV cache the layers run as an unrolled Python loop instead, over
+per-layer weights (`unstack_layers`) and per-layer cache buffers: inside a decode `while_loop` nothing is then
+sliced, copied or transposed per step (a scan over stacked weights and an [L, ...] cache copies each layer's
+weights and cache slice every step, which more than doubled the CPU decode step). `Transformer` (Flax NNX)
+is a thin stateful wrapper over the same functions.
 
 Params layout (shape suffixes: V vocab, D hidden, L layers, H heads, K kv heads, Dh head dim, F mlp):
   embed_VxD, final_norm_D, lm_head_DxV (absent when tied), layers/{attn_norm_LxD, q_LxDxHxDh,
@@ -25,7 +29,8 @@ from jaxtyping import Array, Bool, Float, Int
 from jopd.models.config import ModelConfig
 
 Params = dict[str, Any]
-KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,Dh], "v": [L,B,S,K,Dh]}
+KVCache = dict[str, tuple[jax.Array, ...]]  # {"k": L x [B,K,S,Dh], "v": L x [B,K,S,Dh]} (head-major: batched dots
+# over (B, K) read each buffer in place)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
@@ -157,22 +162,23 @@ def _precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, dtype):
+def _attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, dtype):
     B, T, H, Dh = q_BxTxHxDh.shape
-    K = k_BxSxKxDh.shape[2]
+    K = k_BxKxSxDh.shape[1]
     q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
     prec = _precision(dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh, precision=prec).astype(jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_BxKxSxDh, precision=prec).astype(jnp.float32)
     scores = scores / math.sqrt(Dh)
     scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh, precision=prec)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh, precision=prec)
     return out.reshape(B, T, H, Dh)
 
 
 def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cache, v_cache, write_index,
            mask_BxTxS, dtype):
-    """One block. With a cache, new K/V are written at `write_index` and attention reads the whole cache."""
+    """One block. With a cache (this layer's [B,K,S,Dh] buffers), the new K/V are written at slot `write_index`
+    and attention reads the whole buffer."""
     prec = _precision(dtype)
     w = lambda name: lp[name].astype(dtype)  # noqa: E731
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
@@ -186,9 +192,10 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions_BxT, inv_freq)
     k = apply_rope(k, positions_BxT, inv_freq)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,Dh]
     if k_cache is not None:
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, write_index, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, write_index, 0))
         k_all, v_all = k_cache.astype(dtype), v_cache.astype(dtype)
     else:
         k_all, v_all = k, v
@@ -202,8 +209,19 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+    return {"k": zeros(), "v": zeros()}
+
+
+def unstack_layers(params: Params) -> Params:
+    """The params with `layers` as a tuple of per-layer dicts (the form the cached forward runs on). Under jit
+    these are static slices, i.e. one copy of the layer weights: do it once outside a decode loop."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)))
 
 
 def lm_head_DxV(params: Params) -> jax.Array:
@@ -245,8 +263,10 @@ def forward(
     With a cache of S slots, the T new tokens occupy slots [cache_index, cache_index + T) and attend to
     slots j <= their own where `kv_mask_BxS[j]` is set (the caller marks real tokens, the new ones included).
     Positions default to `positions_from_mask(attn_mask)` (or 0..T-1 without a mask).
-    `remat` recomputes each layer in the backward pass (`jax.checkpoint` on the scanned layer): the gradient
-    then keeps only each layer's input [B,T,D], not its attention scores and MLP activations.
+    With a cache, or params whose `layers` are already unstacked (`unstack_layers`), the layers run as an
+    unrolled loop; otherwise as a `lax.scan` over the stacked layers.
+    `remat` recomputes each layer in the backward pass (`jax.checkpoint` on the layer): the gradient then keeps
+    only each layer's input [B,T,D], not its attention scores and MLP activations.
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -259,35 +279,29 @@ def forward(
         causal = jnp.tril(jnp.ones((T, T), bool))
         mask = causal[None] & attn_mask_BxT[:, None, :].astype(bool)
     else:
-        S = cache["k"].shape[2]
+        S = cache["k"][0].shape[2]
         if kv_mask_BxS is None:
             kv_mask_BxS = jnp.ones((B, S), bool)
         q_slot = cache_index + jnp.arange(T)
         mask = (jnp.arange(S)[None, :] <= q_slot[:, None])[None] & kv_mask_BxS[:, None, :].astype(bool)
 
-    def body(carry, layer):
-        x, kc, vc = carry
-        lp, i = layer
-        if kc is None:
-            x, _, _ = _layer(cfg, lp, x, positions_BxT, inv_freq, None, None, 0, mask, dtype)
-            return (constrain_batch(x), None, None), None
-        k_l = jax.lax.dynamic_index_in_dim(kc, i, 0, keepdims=False)
-        v_l = jax.lax.dynamic_index_in_dim(vc, i, 0, keepdims=False)
+    def layer_fn(lp, x, k_l, v_l):
         x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, mask, dtype)
-        # Write back only the T new slots so the [L,B,S,K,Dh] carry is updated in place.
-        new_k = jax.lax.dynamic_slice_in_dim(k_l, cache_index, T, axis=1)
-        new_v = jax.lax.dynamic_slice_in_dim(v_l, cache_index, T, axis=1)
-        kc = jax.lax.dynamic_update_slice(kc, new_k[None], (i, 0, cache_index, 0, 0))
-        vc = jax.lax.dynamic_update_slice(vc, new_v[None], (i, 0, cache_index, 0, 0))
-        return (constrain_batch(x), kc, vc), None
+        return constrain_batch(x), k_l, v_l
 
-    if remat:
-        body = jax.checkpoint(body, prevent_cse=False)  # prevent_cse=False is safe (and faster) inside scan
-    kc = cache["k"] if cache is not None else None
-    vc = cache["v"] if cache is not None else None
-    (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (params["layers"], jnp.arange(cfg.num_layers)))
+    if remat:  # prevent_cse=False is safe (and faster) inside scan; the unrolled loop is never differentiated
+        layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
+    if cache is not None or isinstance(params["layers"], (tuple, list)):
+        layers = unstack_layers(params)["layers"]
+        ks = list(cache["k"]) if cache is not None else [None] * len(layers)
+        vs = list(cache["v"]) if cache is not None else [None] * len(layers)
+        for i, lp in enumerate(layers):
+            x, ks[i], vs[i] = layer_fn(lp, x, ks[i], vs[i])
+        new_cache = None if cache is None else {"k": tuple(ks), "v": tuple(vs)}
+    else:
+        x, _ = jax.lax.scan(lambda x, lp: (layer_fn(lp, x, None, None)[0], None), x, params["layers"])
+        new_cache = None
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    new_cache = None if cache is None else {"k": kc, "v": vc}
     if return_hidden:
         return hidden, new_cache
     return logits_from_hidden(params, hidden, dtype=dtype, logits_dtype=logits_dtype), new_cache
