@@ -20,6 +20,10 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+
+apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -13,6 +13,10 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+
+apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from tqdm import tqdm  # noqa: E402

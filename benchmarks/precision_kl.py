@@ -15,6 +15,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+
+apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -9,6 +9,7 @@ import pkgutil
 import sys
 
 import jopd.commands
+from jopd.xla_flags import apply_cpu_defaults
 
 
 def _command_modules() -> dict[str, object]:
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_cpu_defaults()  # before any jax computation starts the CPU backend
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)

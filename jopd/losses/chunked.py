@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jopd.models.transformer import logits_from_hidden
+from jopd.models.transformer import logits_at_ids, logits_from_hidden
 
 ChunkFn = Callable[[jax.Array, Mapping[str, jax.Array]], dict[str, jax.Array]]
 
@@ -30,12 +30,19 @@ def chunked_logits_map(
     *,
     dtype=jnp.float32,
     remat: bool = True,
+    support_ids_key: str | None = None,
 ) -> dict[str, jax.Array]:
     """`fn(logits_BxCxV, inputs_chunk) -> {name: [B, C, ...]}` over T-chunks of C positions; returns [B, T, ...].
 
     `inputs` are [B, T, ...] arrays sliced along T with the hidden states. T need not be a multiple of
     `chunk`: the tail is zero-padded (finite logits) and cut from the outputs, so padding gets no gradient.
     `remat=True` wraps each chunk in `jax.checkpoint` (for differentiated use); logits are fp32.
+
+    `support_ids_key` names an [B, T, K] ids input: the full logits handed to `fn` are then stop-gradient and
+    `inputs_chunk["support_logits"]` holds the differentiable logits at those ids (`logits_at_ids`). For a loss
+    whose gradient only needs K logits per position (the truncated reverse KL: its renormalization on the
+    support cancels the full-vocabulary logsumexp), the backward pass then skips the [B, C, V] softmax and
+    the two V-wide matmuls (the head gradient and the hidden-state gradient through it).
     """
     B, T, _ = hidden_BxTxD.shape
     c = max(1, min(int(chunk), T))
@@ -51,8 +58,12 @@ def chunked_logits_map(
         return jnp.swapaxes(y, 0, 1).reshape(B, n * c, *y.shape[3:])[:, :T]
 
     def per_chunk(p, h_BxCxD, inp):
-        logits = logits_from_hidden(p, h_BxCxD, dtype=dtype, logits_dtype=jnp.float32)
-        return fn(logits, inp)
+        if support_ids_key is None:
+            return fn(logits_from_hidden(p, h_BxCxD, dtype=dtype, logits_dtype=jnp.float32), inp)
+        logits = logits_from_hidden(jax.lax.stop_gradient(p), jax.lax.stop_gradient(h_BxCxD), dtype=dtype,
+                                    logits_dtype=jnp.float32)
+        support = logits_at_ids(p, h_BxCxD, inp[support_ids_key], dtype=dtype, logits_dtype=jnp.float32)
+        return fn(logits, dict(inp, support_logits=support))
 
     if remat:
         # Saves only the chunk's inputs; prevent_cse=False is safe (and faster) inside scan.

@@ -33,11 +33,26 @@ def topk_reverse_kl(
     student's full softmax; the mass is a stop-gradient metric).
     """
     s_on_support = jnp.take_along_axis(student_logits_NxV, teacher_ids_NxK.astype(jnp.int32), axis=-1)
-    log_ps_hat = jax.nn.log_softmax(s_on_support, axis=-1)
+    return topk_reverse_kl_on_support(s_on_support, teacher_logprobs_NxK), topk_mass(student_logits_NxV,
+                                                                                     teacher_ids_NxK)
+
+
+def topk_reverse_kl_on_support(
+    student_logits_NxK: Float[Array, "*N K"],
+    teacher_logprobs_NxK: Float[Array, "*N K"],
+) -> Float[Array, "*N"]:
+    """`topk_reverse_kl`'s loss from the student's logits at the K support tokens alone: renormalizing on S
+    cancels the student's full-vocabulary logsumexp, so nothing else is needed (nor differentiated)."""
+    log_ps_hat = jax.nn.log_softmax(student_logits_NxK, axis=-1)
     log_pt_hat = jax.nn.log_softmax(teacher_logprobs_NxK.astype(log_ps_hat.dtype), axis=-1)
-    loss = jnp.sum(jnp.exp(log_ps_hat) * (log_ps_hat - log_pt_hat), axis=-1)
-    log_mass = jax.nn.logsumexp(s_on_support, axis=-1) - jax.nn.logsumexp(student_logits_NxV, axis=-1)
-    return loss, jax.lax.stop_gradient(jnp.exp(log_mass))
+    return jnp.sum(jnp.exp(log_ps_hat) * (log_ps_hat - log_pt_hat), axis=-1)
+
+
+def topk_mass(student_logits_NxV: Float[Array, "*N V"], ids_NxK: Int[Array, "*N K"]) -> Float[Array, "*N"]:
+    """The student's full-softmax mass on the K given tokens (a stop-gradient metric)."""
+    logits = jax.lax.stop_gradient(student_logits_NxV)
+    s_on_support = jnp.take_along_axis(logits, ids_NxK.astype(jnp.int32), axis=-1)
+    return jnp.exp(jax.nn.logsumexp(s_on_support, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
 
 
 def _log1m_mass(log_mass: jax.Array) -> jax.Array:

@@ -36,16 +36,21 @@ Metrics = dict[str, jax.Array]
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """One loss kind: batch entries it reads per logits chunk, entries it reads after, and its per-position
-    terms from the (temperature-scaled) student logits of one chunk."""
+    terms from the (temperature-scaled) student logits of one chunk. `support_ids` names a [B, T, K] ids entry
+    when the loss's gradient needs the student logits at those ids only: the full-vocabulary logits are then
+    stop-gradient (metrics) and `inp["support_logits"]` carries the differentiable ones (see
+    `chunked_logits_map`)."""
 
     chunk_keys: tuple[str, ...]
     after_keys: tuple[str, ...]
     per_position: Callable[[LossConfig, jax.Array, Mapping[str, jax.Array]], dict[str, jax.Array]]
+    support_ids: str | None = None
 
 
 def _topk_rkl(cfg, logits, inp):
-    loss, mass = div.topk_reverse_kl(logits, inp["teacher_topk_ids"], inp["teacher_topk_logprobs"])
-    return {"divergence": loss, "topk_mass": mass}
+    support = inp["support_logits"].astype(jnp.float32) / cfg.temperature
+    return {"divergence": div.topk_reverse_kl_on_support(support, inp["teacher_topk_logprobs"]),
+            "topk_mass": div.topk_mass(logits, inp["teacher_topk_ids"])}
 
 
 def _topk_rkl_tail(cfg, logits, inp):
@@ -62,7 +67,7 @@ def _full(divergence):
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "topk_rkl": Objective(("teacher_topk_ids", "teacher_topk_logprobs"), (), _topk_rkl),
+    "topk_rkl": Objective(("teacher_topk_ids", "teacher_topk_logprobs"), (), _topk_rkl, "teacher_topk_ids"),
     "topk_rkl_tail": Objective(("teacher_topk_ids", "teacher_topk_logprobs"), (), _topk_rkl_tail),
     "sampled_opd": Objective((), ("teacher_target_logprobs",), lambda cfg, logits, inp: {}),
     "rkl": Objective(("teacher_logits",), (), _full(lambda cfg, s, t: div.reverse_kl(s, t))),
@@ -177,7 +182,8 @@ def token_loss(
     projection uses `transformer.logits_from_hidden` in `dtype` with fp32 logits, `cfg.chunk_size` positions
     at a time under `jax.checkpoint`, so neither forward nor backward keeps a full [B, T, V] tensor (peak
     O(B * chunk_size * V)). Differentiable in `student_params` and `hidden_BxTxD`; call it inside
-    `jax.value_and_grad(..., has_aux=True)`.
+    `jax.value_and_grad(..., has_aux=True)`. For topk_rkl the gradient goes through the student's logits at
+    the teacher's top-K ids only (gathered head rows): the full-vocabulary logits feed stop-gradient metrics.
 
     Batch keys (all aligned with hidden positions, see module docstring):
       targets                 [B,T] int    token predicted at each position (always)
@@ -203,9 +209,11 @@ def token_loss(
     if D != model_cfg.hidden_size:
         raise ValueError(f"token_loss: hidden size {D} != ModelConfig.hidden_size {model_cfg.hidden_size}")
     _check_batch(cfg, batch, B, T, model_cfg.vocab_size)
-    keys = ("targets",) + OBJECTIVES[cfg.kind].chunk_keys + _optional_chunk_keys(batch)
+    obj = OBJECTIVES[cfg.kind]
+    keys = ("targets",) + obj.chunk_keys + _optional_chunk_keys(batch)
     terms = chunked_logits_map(functools.partial(_chunk_terms, cfg), student_params, hidden_BxTxD,
-                               {k: batch[k] for k in keys}, cfg.chunk_size, dtype=dtype, remat=True)
+                               {k: batch[k] for k in keys}, cfg.chunk_size, dtype=dtype, remat=True,
+                               support_ids_key=obj.support_ids)
     return _reduce(cfg, terms, batch)
 
 
@@ -214,5 +222,8 @@ def token_loss_from_logits(cfg: LossConfig, logits_BxTxV: Float[Array, "B T V"],
     """Same loss from already materialized student logits (unchunked reference; tests, small vocab)."""
     B, T, V = logits_BxTxV.shape
     _check_batch(cfg, batch, B, T, V)
-    keys = ("targets",) + OBJECTIVES[cfg.kind].chunk_keys + _optional_chunk_keys(batch)
-    return _reduce(cfg, _chunk_terms(cfg, logits_BxTxV, {k: batch[k] for k in keys}), batch)
+    obj = OBJECTIVES[cfg.kind]
+    inp = {k: batch[k] for k in ("targets",) + obj.chunk_keys + _optional_chunk_keys(batch)}
+    if obj.support_ids is not None:
+        inp["support_logits"] = jnp.take_along_axis(logits_BxTxV, inp[obj.support_ids].astype(jnp.int32), axis=-1)
+    return _reduce(cfg, _chunk_terms(cfg, logits_BxTxV, inp), batch)
