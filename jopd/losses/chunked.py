@@ -101,12 +101,14 @@ def teacher_scores(
         raise ValueError(f"teacher top-K: k={k} must be in [1, vocab={V}]")
 
     def fn(logits_BxCxV, inp):
-        logprobs = jax.nn.log_softmax(logits_BxCxV / temperature, axis=-1)
-        values, ids = jax.lax.top_k(logprobs, k)
-        out = {"teacher_topk_ids": ids.astype(jnp.int32), "teacher_topk_logprobs": values}
+        # top-K of the logits, normalized afterwards: no [B, C, V] log-softmax is materialized
+        z = logits_BxCxV / temperature
+        lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+        values, ids = jax.lax.top_k(z, k)
+        out = {"teacher_topk_ids": ids.astype(jnp.int32), "teacher_topk_logprobs": values - lse}
         if "targets" in inp:
             t = inp["targets"].astype(jnp.int32)[..., None]
-            out["teacher_target_logprobs"] = jnp.take_along_axis(logprobs, t, axis=-1)[..., 0]
+            out["teacher_target_logprobs"] = (jnp.take_along_axis(z, t, axis=-1) - lse)[..., 0]
         return out
 
     inputs = {} if targets_BxT is None else {"targets": targets_BxT}
