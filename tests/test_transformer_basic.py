@@ -1,8 +1,11 @@
 """Model properties that need no reference implementation (parity tests live in test_parity_hf.py)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jopd.models.config import ModelConfig
@@ -57,3 +60,14 @@ def test_unstacked_layers_run_the_same_forward():
     assert isinstance(unstacked["layers"], tuple) and len(unstacked["layers"]) == CFG.num_layers
     np.testing.assert_allclose(T.forward(unstacked, toks, cfg=CFG)[0], T.forward(params, toks, cfg=CFG)[0],
                                atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_at_ids_equal_the_full_projection_gathered(tied):
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    params = T.init_params(cfg, jax.random.key(4))
+    hidden = jax.random.normal(jax.random.key(5), (2, 3, cfg.hidden_size))
+    ids = jax.random.randint(jax.random.key(6), (2, 3, 5), 0, cfg.vocab_size)
+    full = T.logits_from_hidden(params, hidden)
+    np.testing.assert_allclose(T.logits_at_ids(params, hidden, ids), jnp.take_along_axis(full, ids, axis=-1),
+                               atol=1e-5, rtol=1e-5)
