@@ -19,7 +19,8 @@ Stages, each timed with `block_until_ready` after a warm-up step (compile time =
   update   the jitted train step (student forward/backward, loss, clipping, AdamW)
   step     end to end, `train.rollout_and_score` + train step dispatched back to back without blocking (as the
            loop runs them), blocked once after `--repeats` steps.
-The update part (score + update) is also timed unblocked on one fixed rollout batch and compared with TRL's
+The update part (score + update) is also timed unblocked on one fixed rollout batch, before and after the TRL
+runs (their mean is compared, so drift of the shared machine hits both sides alike), and compared with TRL's
 `DistillationTrainer` and `GKDTrainer` (lmbda=0) on the same sequences (see benchmarks/trl_update.py).
 The loss's peak memory (truncated RKL vs full-vocab, T=512, V=49152, K=32) comes from benchmarks/loss_memory.py.
 
@@ -227,7 +228,7 @@ def time_update_part(eng, state, glob, out, repeats: int):
     return state, (time.perf_counter() - t) / repeats
 
 
-def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tuple]:
+def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tuple, object]:
     B, N = batches[0]["prompt_tokens"].shape[0], eng.stages.sampler.sampling.max_new_tokens
     tokens = B * N
     state, med, first, fixed = time_stages(eng, state, batches, repeats)
@@ -245,7 +246,17 @@ def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tup
            "update_part_s": update_part_s, "update_part_tokens_per_s": tokens / update_part_s,
            "update_part_full_vocab_s": update_full_s, "update_part_full_vocab_tokens_per_s": tokens / update_full_s,
            "load_avg_end": load_avg()}
-    return res, fixed
+    return res, fixed, state
+
+
+def retime_after_trl(res: dict, eng, state, fixed, repeats: int) -> None:
+    """Time jopd's update part again after TRL ran, so the two sides bracket each other in time (this shared
+    machine drifts by ±15% over minutes); the ratio uses the mean of the before and after readings."""
+    _, after = time_update_part(eng, state, *fixed, repeats)
+    res["update_part_before_trl_s"] = res["update_part_s"]
+    res["update_part_after_trl_s"] = after
+    res["update_part_s"] = (res["update_part_before_trl_s"] + after) / 2
+    res["update_part_tokens_per_s"] = res["tokens_per_step"] / res["update_part_s"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,6 +311,10 @@ def print_report(meta: dict, setups: list[dict], trl: dict, memory: dict | None)
         for name, loss, sec, rate in rows:
             print(f"| {s['name']} | {name} | {loss} | {sec * 1e3:.0f} | {rate:.0f} | {top / rate:.2f}x | "
                   f"{full / rate:.2f}x |")
+    for s in setups:
+        if "update_part_after_trl_s" in s:
+            print(f"\n{s['name']}: jopd top-K update part {s['update_part_before_trl_s'] * 1e3:.0f} ms before the TRL "
+                  f"runs, {s['update_part_after_trl_s'] * 1e3:.0f} ms after (the table uses the mean)")
     if memory:
         print(f"\n## truncated RKL vs full-vocab loss + gradient, peak memory (T={memory['T']}, V={memory['V']}, "
               f"K={memory['K']}, D={memory['D']}, B=1; from benchmarks/loss_memory.py)\n")
@@ -378,11 +393,12 @@ def main() -> int:
         it = train_iterator(eng.cfg.data, eng.tokenizer, kind="prompt")
         batches = [next(it) for _ in range(args.repeats + 1)]
         log("testbed: timing stages")
-        res, fixed = bench_setup("testbed", eng, state, batches, args.repeats)
+        res, fixed, state = bench_setup("testbed", eng, state, batches, args.repeats)
         setups.append(res)
         if not args.skip_trl:
             log("testbed: TRL update")
             trl["testbed"] = compare_with_trl(eng, fixed, pair, args.repeats, threads)
+            retime_after_trl(res, eng, state, fixed, args.repeats)
         del eng, state, fixed
         if not (args.quick or args.skip_smollm2):
             log("smollm2: building")
@@ -392,11 +408,12 @@ def main() -> int:
             name = f"smollm2 {eng.teacher_cfg.num_layers}L -> {args.student_layers}L"
             batches = random_prompt_batches(args.repeats + 1, args.batch, args.prompt_tokens, eng.student_cfg.vocab_size)
             log(f"{name}: timing stages")
-            res, fixed = bench_setup(name, eng, state, batches, args.repeats)
+            res, fixed, state = bench_setup(name, eng, state, batches, args.repeats)
             setups.append(res)
             if not args.skip_trl:
                 log(f"{name}: TRL update")
                 trl[name] = compare_with_trl(eng, fixed, pair, args.repeats, threads)
+                retime_after_trl(res, eng, state, fixed, args.repeats)
             del eng, state, fixed
     memory = None
     if not args.skip_memory:
