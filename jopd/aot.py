@@ -347,7 +347,8 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     state = _abstract(jax.eval_shape(lambda p: init_train_state(p, st.optimizer, jax.random.key(0)),
                                      transformer.abstract_params(s_cfg, s_dtype)), st.state_shardings)
     teacher = _abstract(transformer.abstract_params(t_cfg, t_dtype), st.teacher_shardings)
-    sampler_params = _abstract(transformer.abstract_params(s_cfg, precision.dtype), st.sample_shardings)
+    unstacked = jax.eval_shape(transformer.unstack_layers, transformer.abstract_params(s_cfg, precision.dtype))
+    sampler_params = _abstract(unstacked, st.sample_shardings)  # what the weight sync hands the sampler
     meshlib.batch_sharding(mesh, sample_rules, (B,), where="data.batch_size")  # divisibility check, clear error
     batch_sh, cache_sh = st.batch_sharding, st.cache_sharding
     cache_shapes = jax.eval_shape(lambda: transformer.init_cache(s_cfg, B, Pl + N, precision.cache_dtype))

@@ -312,6 +312,18 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: AxisRules):
                                shapes=transformer.abstract_params(cfg))
 
 
+def unstacked_layer_shardings(shardings, num_layers: int):
+    """Param shardings for `transformer.unstack_layers(params)`: each layer's leaves take the stacked leaf's
+    sharding minus its leading (layers) dim, which the rules never split."""
+    def per_layer(sh: NamedSharding) -> NamedSharding:
+        spec = tuple(sh.spec)
+        if spec and spec[0] is not None:
+            raise ValueError(f"unstacked_layer_shardings: the layers dim is split ({sh.spec}); it cannot be unstacked")
+        return NamedSharding(sh.mesh, P(*spec[1:]))
+    layer = jax.tree.map(per_layer, shardings["layers"])
+    return dict(shardings, layers=tuple(layer for _ in range(num_layers)))
+
+
 def batch_sharding(mesh: Mesh, rules: AxisRules, shape: Sequence[int] | None = None, ndim: int = 2,
                    where: str = "batch") -> NamedSharding:
     """Sharding of a [B, T, ...] input/label array: B over the `batch` rule (data x fsdp), the rest replicated."""

@@ -35,7 +35,7 @@ class Stages:
     optimizer: optax.GradientTransformation
     student_shardings: Any  # trainer layout of the student params
     teacher_shardings: Any
-    sample_shardings: Any  # rollout layout of the student params
+    sample_shardings: Any  # rollout layout of the student params, layers unstacked (what `sync` returns)
     state_shardings: TrainState
     batch_sharding: NamedSharding  # leading dim over data x fsdp (rank-1 spec: valid for any rank >= 1)
     cache_sharding: NamedSharding
@@ -57,7 +57,9 @@ def build_stages(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, l
     train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
     student_sh = meshlib.param_shardings(s_cfg, mesh, train_rules)
     teacher_sh = meshlib.param_shardings(t_cfg, mesh, train_rules)
-    sample_sh = meshlib.param_shardings(s_cfg, mesh, sample_rules)
+    # The sampler decodes over per-layer weights: the sync hands them over unstacked, so the sampler program
+    # does not copy them (see `transformer.forward`).
+    sample_sh = meshlib.unstacked_layer_shardings(meshlib.param_shardings(s_cfg, mesh, sample_rules), s_cfg.num_layers)
     dtype = jnp.dtype(MODEL_DTYPES[cfg.student.dtype])
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     state_sh = train_state_shardings(
@@ -69,7 +71,8 @@ def build_stages(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, l
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
                       shardings=SamplerShardings(params=sample_sh, batch=batch_sh, cache=cache_sh))
     precision = cfg.rollout_precision
-    sync = jax.jit(lambda p, k: prepare_sampler_params(p, precision, k), out_shardings=sample_sh)
+    sync = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
+                   out_shardings=sample_sh)
     step_fn = make_train_step(rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat), optimizer,
                               cfg.optim.grad_accum_steps)
     train_step = jax.jit(step_fn, in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jopd import mesh as M
 from jopd.configlib import ConfigError, build
@@ -114,6 +114,23 @@ def test_reshard_for_sampling_moves_and_casts_without_consuming(reference):
     hits = M._cast_fn.cache_info().hits
     M.reshard_for_sampling(train, sample_sh, jnp.bfloat16)  # the next weight sync reuses the compiled copy
     assert M._cast_fn.cache_info().hits == hits + 1
+
+
+
+def test_unstacked_layer_shardings_place_each_layer_like_its_stacked_slice(reference):
+    params = reference[0]
+    mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
+    stacked = M.param_shardings(CFG, mesh, M.SAMPLE_RULES)
+    per_layer = M.unstacked_layer_shardings(stacked, CFG.num_layers)
+    out = jax.jit(T.unstack_layers, out_shardings=per_layer)(jax.device_put(params, stacked))
+    assert len(out["layers"]) == CFG.num_layers
+    for i, layer in enumerate(out["layers"]):
+        for name, x in layer.items():
+            assert x.sharding.spec == P(*stacked["layers"][name].spec[1:])
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(params["layers"][name][i]))
+    bad = dict(stacked, layers=jax.tree.map(lambda sh: NamedSharding(mesh, P("data")), stacked["layers"]))
+    with pytest.raises(ValueError, match="layers dim is split"):
+        M.unstacked_layer_shardings(bad, CFG.num_layers)
 
 
 def test_teacher_on_split_submesh():
