@@ -274,7 +274,7 @@ def sample_padded(
     B, P = prompt_BxP.shape
     N = sampling.max_new_tokens
     V = cfg.vocab_size
-    params = transformer.unstack_layers(params)  # once per call, not per decode step
+    params = transformer.unstack_layers(params)  # outside the decode loop; a no-op for `stages.sync` output
     fwd = dict(cfg=cfg, dtype=precision.dtype, logits_dtype=precision.logits_jnp_dtype)
     stop_ids = jnp.asarray(sorted(set(cfg.eos_ids) | set(sampling.stop_token_ids)) or [-1], jnp.int32)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids or (0,))[0]

@@ -302,7 +302,7 @@ def forward(
         x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, mask, dtype)
         return constrain_batch(x), k_l, v_l
 
-    if remat:  # prevent_cse=False is safe (and faster) inside scan; the unrolled loop is never differentiated
+    if remat:  # prevent_cse=False is safe (and faster) inside scan (and harmless in the unrolled loop)
         layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
     if cache is not None or isinstance(params["layers"], (tuple, list)):
         layers = unstack_layers(params)["layers"]
