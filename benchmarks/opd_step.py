@@ -19,9 +19,10 @@ Stages, each timed with `block_until_ready` after a warm-up step (compile time =
   update   the jitted train step (student forward/backward, loss, clipping, AdamW)
   step     end to end, `train.rollout_and_score` + train step dispatched back to back without blocking (as the
            loop runs them), blocked once after `--repeats` steps.
-The update part (score + update) is also timed unblocked on one fixed rollout batch, before and after the TRL
-runs (their mean is compared, so drift of the shared machine hits both sides alike), and compared with TRL's
-`DistillationTrainer` and `GKDTrainer` (lmbda=0) on the same sequences (see benchmarks/trl_update.py).
+The update part (score + update) on one fixed rollout batch is compared with TRL's `DistillationTrainer` and
+`GKDTrainer` (lmbda=0) on the same sequences (see benchmarks/trl_update.py) in `--rounds` paired rounds: each
+round runs one jopd update, then one update of each TRL trainer, so the shared machine's drift (±15% over
+minutes here) hits neighbours alike; the speed-up is the median of the per-round ratios with a 95% bootstrap CI.
 The loss's peak memory (truncated RKL vs full-vocab, T=512, V=49152, K=32) comes from benchmarks/loss_memory.py.
 
     PYTHONPATH=. python benchmarks/opd_step.py            # full run (~10-15 min on 2 busy cores)
@@ -51,6 +52,8 @@ apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from scipy import stats  # noqa: E402
+from tqdm.auto import trange  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
 
@@ -249,26 +252,60 @@ def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tup
     return res, fixed, state
 
 
-def retime_after_trl(res: dict, eng, state, fixed, repeats: int) -> None:
-    """Time jopd's update part again after TRL ran, so the two sides bracket each other in time (this shared
-    machine drifts by ±15% over minutes); the ratio uses the mean of the before and after readings."""
-    _, after = time_update_part(eng, state, *fixed, repeats)
-    res["update_part_before_trl_s"] = res["update_part_s"]
-    res["update_part_after_trl_s"] = after
-    res["update_part_s"] = (res["update_part_before_trl_s"] + after) / 2
-    res["update_part_tokens_per_s"] = res["tokens_per_step"] / res["update_part_s"]
-
-
 # ------------------------------------------------------------------------------------------------
 # comparison, memory, report
 
 
-def compare_with_trl(eng, fixed, pair, repeats: int, threads: tuple[int, ...]) -> dict:
+def paired_rounds(eng, state, fixed, trl_steps: dict, rounds: int):
+    """`rounds` rounds of: one jopd update part (score + train step, blocked), then one update of each TRL trainer,
+    all on the same fixed batch. Seconds per implementation and round (paired: neighbours in time)."""
     glob, out = fixed
-    return trl_update.trl_updates(pair[0], pair[1], eng.tokenizer, np.asarray(glob["prompt"]),
-                                  np.asarray(glob["mask"]).astype(np.int64), np.asarray(out.tokens_BxN),
-                                  lr=eng.cfg.optim.learning_rate, max_grad_norm=eng.cfg.optim.grad_clip_norm,
-                                  repeats=repeats, threads=threads)
+    secs = {"jopd": []} | {name: [] for name in trl_steps}
+    for _ in trange(rounds, desc="paired rounds", leave=False):
+        t = time.perf_counter()
+        state, metrics = eng.stages.train_step(state, score(eng, glob, out))
+        jax.block_until_ready((state, metrics))
+        secs["jopd"].append(time.perf_counter() - t)
+        for name, r in trl_steps.items():
+            trl_update.use_threads(r["threads"])
+            secs[name].append(trl_update.timed(r["step"]))
+    return secs, state
+
+
+def ratio_summary(jopd_s: list[float], other_s: list[float]) -> dict:
+    """jopd's speed-up over another implementation: per-round ratios of update seconds (other / jopd = jopd's
+    tokens/s over the other's), their median and a 95% percentile-bootstrap CI of that median (scipy)."""
+    ratios = np.asarray(other_s) / np.asarray(jopd_s)
+    ci = stats.bootstrap((ratios,), np.median, confidence_level=0.95, method="percentile", n_resamples=10_000,
+                         random_state=0).confidence_interval
+    return {"median": float(np.median(ratios)), "ci95": [float(ci.low), float(ci.high)], "per_round": ratios.tolist()}
+
+
+def compare_with_trl(res: dict, eng, state, fixed, pair, args, threads: tuple[int, ...], workdir: Path):
+    """TRL's trainers (best torch thread count) and jopd's update part timed in interleaved rounds; fills
+    res["update_part_s"] with jopd's median over the rounds and returns TRL's results and the state."""
+    glob, out = fixed
+    steps = trl_update.trl_update_steps(pair[0], pair[1], eng.tokenizer, np.asarray(glob["prompt"]),
+                                        np.asarray(glob["mask"]).astype(np.int64), np.asarray(out.tokens_BxN),
+                                        lr=eng.cfg.optim.learning_rate, max_grad_norm=eng.cfg.optim.grad_clip_norm,
+                                        calib_steps=max(args.repeats - 1, 1), max_steps=args.rounds + 20,
+                                        threads=threads, workdir=str(workdir))
+    ok = {name: r for name, r in steps.items() if "error" not in r}
+    secs, state = paired_rounds(eng, state, fixed, ok, args.rounds)
+    res["update_part_unpaired_s"] = res["update_part_s"]
+    res["update_part_rounds_s"] = secs["jopd"]
+    res["update_part_s"] = float(np.median(secs["jopd"]))
+    res["update_part_tokens_per_s"] = res["tokens_per_step"] / res["update_part_s"]
+    trl = {}
+    for name, r in steps.items():
+        if "error" in r:
+            trl[name] = r
+            continue
+        med = float(np.median(secs[name]))
+        trl[name] = {"threads": r["threads"], "first_s": r["first_s"], "calib_s": r["calib_s"], "median_s": med,
+                     "rounds_s": secs[name], "tokens_per_s": res["tokens_per_step"] / med,
+                     "jopd_speedup": ratio_summary(secs["jopd"], secs[name])}
+    return trl, state
 
 
 def loss_memory_rows(T: int, V: int, K: int, D: int, chunk: int) -> list[dict]:
@@ -302,19 +339,24 @@ def print_report(meta: dict, setups: list[dict], trl: dict, memory: dict | None)
         top, full = s["update_part_tokens_per_s"], s["update_part_full_vocab_tokens_per_s"]
         rows = [("jopd (score_with_teacher + train step)", f"top-{s['top_k']} RKL", s["update_part_s"], top),
                 ("jopd (score_with_teacher + train step)", "full-vocab RKL", s["update_part_full_vocab_s"], full)]
+        paired = {}
         for name, r in trl.get(s["name"], {}).items():
             if "error" in r:
                 print(f"| {s['name']} | {name} | - | - | - | failed: {r['error']} | |")
             else:
                 rows.append((f"{name}, torch {r['threads']} thread(s)", "full-vocab RKL (beta=1)", r["median_s"],
                              r["tokens_per_s"]))
+                paired[rows[-1][0]] = r["jopd_speedup"]
         for name, loss, sec, rate in rows:
-            print(f"| {s['name']} | {name} | {loss} | {sec * 1e3:.0f} | {rate:.0f} | {top / rate:.2f}x | "
-                  f"{full / rate:.2f}x |")
+            sp = paired.get(name)
+            ratio = (f"**{sp['median']:.2f}x** [{sp['ci95'][0]:.2f}, {sp['ci95'][1]:.2f}]" if sp
+                     else f"{top / rate:.2f}x")
+            print(f"| {s['name']} | {name} | {loss} | {sec * 1e3:.0f} | {rate:.0f} | {ratio} | {full / rate:.2f}x |")
     for s in setups:
-        if "update_part_after_trl_s" in s:
-            print(f"\n{s['name']}: jopd top-K update part {s['update_part_before_trl_s'] * 1e3:.0f} ms before the TRL "
-                  f"runs, {s['update_part_after_trl_s'] * 1e3:.0f} ms after (the table uses the mean)")
+        if "update_part_rounds_s" in s:
+            print(f"\n{s['name']}: {len(s['update_part_rounds_s'])} paired rounds (jopd update, then each TRL update); "
+                  f"jopd top-K / TRL = median of the per-round ratios [95% bootstrap CI]; jopd's unpaired reading "
+                  f"before the rounds: {s['update_part_unpaired_s'] * 1e3:.0f} ms")
     if memory:
         print(f"\n## truncated RKL vs full-vocab loss + gradient, peak memory (T={memory['T']}, V={memory['V']}, "
               f"K={memory['K']}, D={memory['D']}, B=1; from benchmarks/loss_memory.py)\n")
@@ -358,6 +400,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes, testbed pair only (smoke check, < 1 min)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median / mean)")
+    ap.add_argument("--rounds", type=int, default=8,
+                    help="paired rounds for the TRL comparison (jopd update, then each TRL update, per round)")
     ap.add_argument("--batch", type=int, default=8, help="smollm2 setup: prompts per step")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -373,7 +417,7 @@ def main() -> int:
     args = ap.parse_args()
     threads = tuple(int(t) for t in args.threads.split(","))
     if args.quick:  # smoke check: fewest timed runs, one torch setting
-        args.repeats, threads = min(args.repeats, 2), threads[:1]
+        args.repeats, args.rounds, threads = min(args.repeats, 2), min(args.rounds, 3), threads[:1]
     import torch
 
     out_dir = Path(args.out)
@@ -396,9 +440,8 @@ def main() -> int:
         res, fixed, state = bench_setup("testbed", eng, state, batches, args.repeats)
         setups.append(res)
         if not args.skip_trl:
-            log("testbed: TRL update")
-            trl["testbed"] = compare_with_trl(eng, fixed, pair, args.repeats, threads)
-            retime_after_trl(res, eng, state, fixed, args.repeats)
+            log("testbed: TRL update, paired rounds")
+            trl["testbed"], state = compare_with_trl(res, eng, state, fixed, pair, args, threads, work)
         del eng, state, fixed
         if not (args.quick or args.skip_smollm2):
             log("smollm2: building")
@@ -411,9 +454,8 @@ def main() -> int:
             res, fixed, state = bench_setup(name, eng, state, batches, args.repeats)
             setups.append(res)
             if not args.skip_trl:
-                log(f"{name}: TRL update")
-                trl[name] = compare_with_trl(eng, fixed, pair, args.repeats, threads)
-                retime_after_trl(res, eng, state, fixed, args.repeats)
+                log(f"{name}: TRL update, paired rounds")
+                trl[name], state = compare_with_trl(res, eng, state, fixed, pair, args, threads, work)
             del eng, state, fixed
     memory = None
     if not args.skip_memory:

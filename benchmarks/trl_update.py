@@ -12,31 +12,24 @@ batch (the same token ids jopd sampled):
 
 Both run in fp32 (bf16 off: the model pair and jopd's update are fp32) and without gradient checkpointing
 (DistillationConfig turns it on by default; off is the faster setting on this CPU). torch uses
-`torch.set_num_threads(t)` for each t given; the best is kept.
+`torch.set_num_threads(t)` for each t given; the best is kept. `trl_update_steps` hands back one update
+callable per trainer, so `opd_step.py` can interleave them with jopd's update round by round.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io as _io
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 
-def _median_time(fn, repeats: int) -> tuple[float, float]:
-    """(first call seconds, median of `repeats` later calls)."""
+def timed(fn) -> float:
     t = time.perf_counter()
     fn()
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return first, float(np.median(times))
+    return time.perf_counter() - t
 
 
 def load_model(src: str | Path):
@@ -65,7 +58,8 @@ def _step(trainer, model, loss_fn, max_grad_norm: float):
 
 
 def distillation_trainer_update(teacher, student, tokenizer, prompt_BxP, prompt_mask_BxP, completion_BxN, *,
-                                lr: float, max_grad_norm: float, repeats: int, out_dir: str):
+                                lr: float, max_grad_norm: float, max_steps: int, out_dir: str):
+    """A callable running one DistillationTrainer update on the fixed batch (returns the loss)."""
     import torch
     from datasets import Dataset
     from trl import DistillationConfig, DistillationTrainer
@@ -77,7 +71,7 @@ def distillation_trainer_update(teacher, student, tokenizer, prompt_BxP, prompt_
                               logging_steps=1, seed=0)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
                                   train_dataset=Dataset.from_dict({"prompt": ["1+1="] * B}))
-    trainer.create_optimizer_and_scheduler(num_training_steps=repeats + 10)
+    trainer.create_optimizer_and_scheduler(num_training_steps=max_steps)
     model = trainer.model
     completion_mask = torch.ones((B, N), dtype=torch.long)
     inputs = {"prompt_ids": torch.as_tensor(prompt_BxP, dtype=torch.long),
@@ -90,11 +84,12 @@ def distillation_trainer_update(teacher, student, tokenizer, prompt_BxP, prompt_
         trainer.accelerator.backward(loss)
         return loss
 
-    return _median_time(lambda: _step(trainer, model, loss_fn, max_grad_norm), repeats)
+    return lambda: _step(trainer, model, loss_fn, max_grad_norm)
 
 
 def gkd_trainer_update(teacher, student, tokenizer, prompt_BxP, prompt_mask_BxP, completion_BxN, *, lr: float,
-                       max_grad_norm: float, repeats: int, out_dir: str):
+                       max_grad_norm: float, max_steps: int, out_dir: str):
+    """A callable running one GKDTrainer (lmbda=0) update on the fixed batch (returns the loss)."""
     import torch
     from datasets import Dataset
     from trl.experimental.gkd import GKDConfig, GKDTrainer
@@ -108,7 +103,7 @@ def gkd_trainer_update(teacher, student, tokenizer, prompt_BxP, prompt_mask_BxP,
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
     trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
                          train_dataset=Dataset.from_dict({"messages": [chat] * B}))
-    trainer.create_optimizer_and_scheduler(num_training_steps=repeats + 10)
+    trainer.create_optimizer_and_scheduler(num_training_steps=max_steps)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's own loop, read by training_step
     model = trainer.model
     ids = torch.as_tensor(np.concatenate([prompt_BxP, completion_BxN], axis=1), dtype=torch.long)
@@ -121,41 +116,48 @@ def gkd_trainer_update(teacher, student, tokenizer, prompt_BxP, prompt_mask_BxP,
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         return trainer.training_step(model, batch)  # forward, loss, backward (no generation: lmbda=0)
 
-    return _median_time(lambda: _step(trainer, model, loss_fn, max_grad_norm), repeats)
+    return lambda: _step(trainer, model, loss_fn, max_grad_norm)
 
 
 TRAINERS = {"TRL DistillationTrainer": distillation_trainer_update, "TRL GKDTrainer (lmbda=0)": gkd_trainer_update}
 
 
-def trl_updates(teacher_src, student_src, tokenizer, prompt_BxP, prompt_mask_BxP, completion_BxN, *, lr: float,
-                max_grad_norm: float, repeats: int, threads: tuple[int, ...]) -> dict[str, dict]:
-    """name -> {first_s, median_s, tokens_per_s, threads, by_threads} (best over `threads`) or {error}.
-    A fresh student per run (each run's optimizer updates it). Several thread counts: on a busy 2-core machine
-    torch's OpenMP pool can be far slower with 2 threads than with 1, and the comparison takes TRL's best."""
+def trl_update_steps(teacher_src, student_src, tokenizer, prompt_BxP, prompt_mask_BxP, completion_BxN, *,
+                     lr: float, max_grad_norm: float, calib_steps: int, max_steps: int, threads: tuple[int, ...],
+                     workdir: str) -> dict[str, dict]:
+    """name -> {step, threads, first_s, calib_s: {threads: median s}} or {error}. For each trainer and each
+    thread count a fresh student is built, its first update (warm-up) and `calib_steps` more are timed; the
+    trainer with the fastest thread count is kept (`step()` runs one more update; call `use_threads(threads)`
+    first). On a busy 2-core machine torch's OpenMP pool can be far slower with 2 threads than with 1, so the
+    comparison takes TRL's best."""
     import torch
 
     tokenizer.padding_side = "left"
-    B, N = completion_BxN.shape
     arrays = [np.array(x) for x in (prompt_BxP, prompt_mask_BxP, completion_BxN)]  # writable copies for torch
     results = {}
     teacher = load_model(teacher_src).eval()
-    for name, fn in TRAINERS.items():
-        runs = {}
+    for i, (name, make) in enumerate(TRAINERS.items()):
+        best = None
+        calib = {}
         try:
             for th in threads:
                 torch.set_num_threads(th)
-                student = load_model(student_src)
-                with tempfile.TemporaryDirectory() as out_dir:
-                    first, med = fn(teacher, student, tokenizer, *arrays, lr=lr, max_grad_norm=max_grad_norm,
-                                    repeats=repeats, out_dir=out_dir)
-                runs[th] = {"first_s": first, "median_s": med, "tokens_per_s": B * N / med}
-                del student
+                step = make(teacher, load_model(student_src), tokenizer, *arrays, lr=lr, max_grad_norm=max_grad_norm,
+                            max_steps=max_steps, out_dir=str(Path(workdir) / f"trl-{i}-{th}"))
+                first = timed(step)
+                calib[th] = float(np.median([timed(step) for _ in range(calib_steps)]))
+                if best is None or calib[th] < calib[best[0]]:
+                    best = (th, step, first)
         except Exception as e:  # report why, keep the rest of the benchmark
             results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
             continue
-        best = min(runs, key=lambda th: runs[th]["median_s"])
-        results[name] = dict(runs[best], threads=best, by_threads=runs)
+        results[name] = {"step": best[1], "threads": best[0], "first_s": best[2], "calib_s": calib}
     return results
+
+
+def use_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
 
 
 def trl_version() -> str:
