@@ -262,10 +262,8 @@ def paired_rounds(eng, state, fixed, trl_steps: dict, rounds: int):
     glob, out = fixed
     secs = {"jopd": []} | {name: [] for name in trl_steps}
     for _ in trange(rounds, desc="paired rounds", leave=False):
-        t = time.perf_counter()
-        state, metrics = eng.stages.train_step(state, score(eng, glob, out))
-        jax.block_until_ready((state, metrics))
-        secs["jopd"].append(time.perf_counter() - t)
+        (state, _), t = _blocked(lambda s: eng.stages.train_step(s, score(eng, glob, out)), state)
+        secs["jopd"].append(t)
         for name, r in trl_steps.items():
             trl_update.use_threads(r["threads"])
             secs[name].append(trl_update.timed(r["step"]))
