@@ -14,6 +14,8 @@ import os
 
 import jaxlib
 
+from jopd.host_malloc import tune_glibc_malloc
+
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "dot"}
 # The flag is experimental: XLA aborts on unknown flags, so it is only added for jaxlib versions it exists in.
 _TESTED_JAXLIB = ("0.10.", "0.11.")
@@ -28,7 +30,9 @@ def with_cpu_defaults(xla_flags: str, jaxlib_version: str = jaxlib.__version__) 
 
 
 def apply_cpu_defaults() -> None:
-    """Add the defaults to the XLA_FLAGS environment variable. Call before the first jax computation (the
-    CPU backend reads XLA_FLAGS once, when it starts); a later call has no effect on the running backend."""
+    """Add the defaults to the XLA_FLAGS environment variable and tune glibc malloc for XLA:CPU's buffers
+    (`jopd.host_malloc`). Call before the first jax computation (the CPU backend reads XLA_FLAGS once, when it
+    starts, and its threads take their malloc arena then); a later call has no effect on the running backend."""
     if os.environ.get("JOPD_XLA_DEFAULTS", "1") != "0":
         os.environ["XLA_FLAGS"] = with_cpu_defaults(os.environ.get("XLA_FLAGS", ""))
+    tune_glibc_malloc()
