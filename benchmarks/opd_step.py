@@ -23,6 +23,12 @@ The update part (score + update) on one fixed rollout batch is compared with TRL
 `GKDTrainer` (lmbda=0) on the same sequences (see benchmarks/trl_update.py) in `--rounds` paired rounds: each
 round runs one jopd update, then one update of each TRL trainer, so the shared machine's drift (±15% over
 minutes here) hits neighbours alike; the speed-up is the median of the per-round ratios with a 95% bootstrap CI.
+TRL runs in the benchmark's process, so it gets the same glibc malloc settings as jopd (`jopd.host_malloc`:
+without them both page-fault their large buffers in anew on every step here, torch far more: run with
+JOPD_HOST_MALLOC=0 to compare under glibc's defaults).
+The report also counts the update part's matmul FLOPs (`update_matmul_flops`) and divides them by this machine's
+fp32 matmul rate (jnp.dot 2048^3, best of 5): the time the same computation cannot get under here, against which
+jopd's update time and a 2x-over-TRL time are put.
 The loss's peak memory (truncated RKL vs full-vocab, T=512, V=49152, K=32) comes from benchmarks/loss_memory.py.
 
     PYTHONPATH=. python benchmarks/opd_step.py            # full run (~10-15 min on 2 busy cores)
@@ -51,6 +57,7 @@ from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 from tqdm.auto import trange  # noqa: E402
@@ -58,6 +65,7 @@ from tqdm.auto import trange  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
 
 import trl_update  # noqa: E402
+from sampler import matmul_gflops  # noqa: E402
 from jopd import train as trainlib  # noqa: E402
 from jopd.config import load_config  # noqa: E402
 from jopd.data.pipeline import train_iterator  # noqa: E402
@@ -231,6 +239,73 @@ def time_update_part(eng, state, glob, out, repeats: int):
     return state, (time.perf_counter() - t) / repeats
 
 
+def layer_matmul_params(cfg) -> int:
+    """Weights one token goes through in one layer's projections (q, k, v, o, gate, up, down)."""
+    D, H, K, Dh, I = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    return D * H * Dh + 2 * D * K * Dh + H * Dh * D + 3 * D * I
+
+
+def update_matmul_flops(t_cfg, s_cfg, batch: int, prompt_len: int, new_tokens: int, top_k: int) -> float:
+    """FLOPs of the matmuls in jopd's update part (top-K RKL): the teacher's forward over prompt + response (full
+    T x T attention, as `transformer.forward` computes it) and its LM head at the N response positions; the
+    student's forward + backward (3x the forward) over prompt + response, its full-vocab head at the N positions
+    (forward only: stop-gradient metrics) and the K gathered head rows (forward + backward)."""
+    B, T, N = batch, prompt_len + new_tokens, new_tokens
+
+    def body(cfg):
+        attention = 4 * B * cfg.num_heads * T * T * cfg.head_dim  # q.k and p.v
+        return cfg.num_layers * (2 * B * T * layer_matmul_params(cfg) + attention)
+
+    head = 2 * B * N * s_cfg.hidden_size * s_cfg.vocab_size
+    return body(t_cfg) + head + 3 * body(s_cfg) + head + 3 * 2 * B * N * top_k * s_cfg.hidden_size
+
+
+def _best_call_s(f, *args, repeats: int = 5) -> float:
+    f(*args).block_until_ready()
+    return min(trl_update.timed(lambda: f(*args).block_until_ready()) for _ in range(repeats))
+
+
+def _dot_seconds(lhs: tuple, rhs: tuple, spec: str, cache: dict) -> float:
+    """Best-of-5 seconds of one einsum at these shapes (fp32, jopd's XLA flags) less the cost of a jitted call
+    that does nothing (dispatch), cached by shape."""
+    if "dispatch" not in cache:
+        cache["dispatch"] = _best_call_s(jax.jit(lambda a: a + 1), jnp.ones((), jnp.float32), repeats=20)
+    key = (lhs, rhs, spec)
+    if key not in cache:
+        a, b = jnp.ones(lhs, jnp.float32), jnp.ones(rhs, jnp.float32)
+        cache[key] = max(_best_call_s(jax.jit(lambda a, b: jnp.einsum(spec, a, b)), a, b) - cache["dispatch"], 0.0)
+    return cache[key]
+
+
+def update_matmul_floor_s(t_cfg, s_cfg, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """The update part's matmuls (those of `update_matmul_flops`), each einsum timed alone at its own shape on this
+    machine and summed: the teacher's layer projections, attention and LM head forward; the student's layer
+    projections forward and backward (dx = dy W^T, dW = x^T dy), attention forward and backward (the backward's
+    four batched dots taken as twice the forward's two), full-vocab head forward. No elementwise work counted."""
+    B, T, N = batch, prompt_len + new_tokens, new_tokens
+    cache: dict = {}
+
+    def layer(cfg, backward: bool) -> float:
+        D, H, K, Dh, I = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        M = B * T
+        projections = [(D, H * Dh), (D, K * Dh), (D, K * Dh), (H * Dh, D), (D, I), (D, I), (I, D)]
+        t = 0.0
+        for k_in, n_out in projections:
+            t += _dot_seconds((M, k_in), (k_in, n_out), "mk,kn->mn", cache)
+            if backward:
+                t += _dot_seconds((M, n_out), (k_in, n_out), "mn,kn->mk", cache)  # dx
+                t += _dot_seconds((M, k_in), (M, n_out), "mk,mn->kn", cache)  # dW
+        G = H // K
+        attention = (_dot_seconds((B, T, K, G, Dh), (B, K, T, Dh), "btkgd,bksd->bkgts", cache)
+                     + _dot_seconds((B, K, G, T, T), (B, K, T, Dh), "bkgts,bksd->btkgd", cache))
+        return t + attention * (3 if backward else 1)
+
+    head = _dot_seconds((B * N, s_cfg.hidden_size), (s_cfg.hidden_size, s_cfg.vocab_size), "md,dv->mv", cache)
+    teacher = t_cfg.num_layers * layer(t_cfg, backward=False) + head
+    student = s_cfg.num_layers * layer(s_cfg, backward=True) + head
+    return teacher + student
+
+
 def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tuple, object]:
     B, N = batches[0]["prompt_tokens"].shape[0], eng.stages.sampler.sampling.max_new_tokens
     tokens = B * N
@@ -247,6 +322,11 @@ def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tup
            "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
            "step_s": step_s, "step_tokens_per_s": tokens / step_s, "blocked_sum_s": sum(med.values()),
            "update_part_s": update_part_s, "update_part_tokens_per_s": tokens / update_part_s,
+           "update_matmul_gflop": update_matmul_flops(eng.teacher_cfg, eng.student_cfg, B,
+                                                      int(batches[0]["prompt_tokens"].shape[1]), N,
+                                                      eng.loss_cfg.top_k) / 1e9,
+           "update_matmul_floor_s": update_matmul_floor_s(eng.teacher_cfg, eng.student_cfg, B,
+                                                          int(batches[0]["prompt_tokens"].shape[1]), N),
            "update_part_full_vocab_s": update_full_s, "update_part_full_vocab_tokens_per_s": tokens / update_full_s,
            "load_avg_end": load_avg()}
     return res, fixed, state
@@ -318,9 +398,29 @@ def loss_memory_rows(T: int, V: int, K: int, D: int, chunk: int) -> list[dict]:
     return rows
 
 
+def _signed_ms(sec: float) -> str:
+    return f"{'+' if sec >= 0 else '-'} {abs(sec) * 1e3:.0f} ms"
+
+
+def bound_line(s: dict, trl_rows: dict, matmul_gflops: float) -> str:
+    """The update part's matmul FLOPs against this machine's fp32 matmul rate: the time no implementation of the
+    same computation gets under here, and what a 2x over the fastest TRL trainer would need."""
+    gflop, floor_s, upd = s["update_matmul_gflop"], s["update_matmul_floor_s"], s["update_part_s"]
+    line = (f"\n{s['name']}: the update part's matmuls are {gflop:.1f} GFLOP: {gflop / matmul_gflops * 1e3:.0f} ms at "
+            f"this machine's best fp32 matmul rate ({matmul_gflops:.0f} GFLOP/s, jnp.dot 2048^3), {floor_s * 1e3:.0f} ms "
+            f"with each einsum timed alone at its own shape (the matmul floor: no elementwise work, softmax, "
+            f"top-K, clipping or AdamW). jopd's update: {upd * 1e3:.0f} ms = floor {_signed_ms(upd - floor_s)}.")
+    fastest = min((r["median_s"] for r in trl_rows.values() if "error" not in r), default=None)
+    if fastest is not None:
+        line += (f" 2x the fastest TRL trainer ({fastest * 1e3:.0f} ms) needs <= {fastest / 2 * 1e3:.0f} ms = floor "
+                 f"{_signed_ms(fastest / 2 - floor_s)}.")
+    return line
+
+
 def print_report(meta: dict, setups: list[dict], trl: dict, memory: dict | None) -> None:
     print(f"\n# OPD step, fp32 on {meta['device']} ({meta['cpus']} CPUs); load average {meta['load_start']:.2f} at "
-          f"start, {meta['load_end']:.2f} at end; jax {meta['jax']}, torch {meta['torch']}, trl {meta['trl']}")
+          f"start, {meta['load_end']:.2f} at end; jax {meta['jax']}, torch {meta['torch']}, trl {meta['trl']}; "
+          f"JOPD_HOST_MALLOC={meta.get('host_malloc', 'auto')} (jopd and TRL share this process's malloc)")
     print("\n## jopd, tokens/s by stage (tokens = batch x new tokens; median of blocked runs)\n")
     print("| setup | batch x new | rollout | teacher score | update | sum of stages | full step (unblocked) |"
           " compile s (roll/score/upd) |")
@@ -351,6 +451,8 @@ def print_report(meta: dict, setups: list[dict], trl: dict, memory: dict | None)
                          r["median_s"], f"**{sp['median']:.2f}x** [{sp['ci95'][0]:.2f}, {sp['ci95'][1]:.2f}]"))
         for name, loss, timing, sec, ratio in rows:
             print(f"| {s['name']} | {name} | {loss} | {timing} | {sec * 1e3:.0f} | {tok / sec:.0f} | {ratio} |")
+    for s in setups:
+        print(bound_line(s, trl.get(s["name"], {}), meta["matmul_gflops"]))
     for s in setups:
         if "update_part_rounds_s" in s:
             print(f"\n{s['name']}: {len(s['update_part_rounds_s'])} paired rounds (one blocked jopd update, then one "
@@ -425,9 +527,12 @@ def main() -> int:
     stem = "opd_step_quick" if args.quick else "opd_step"
     load_start = load_avg() if args.quick else wait_for_quiet(args.max_load, args.max_wait)
     meta = {"device": jax.devices()[0].device_kind, "cpus": os.cpu_count(), "load_start": load_start,
+            "host_malloc": os.environ.get("JOPD_HOST_MALLOC", "auto"),
             "jax": jax.__version__, "torch": torch.__version__, "trl": trl_update.trl_version(),
             "quick": args.quick, "repeats": args.repeats}
     print(f"load average at start: {load_start:.2f}; trl {meta['trl']}, torch {meta['torch']}", flush=True)
+    meta["matmul_gflops"] = matmul_gflops()
+    log(f"fp32 matmul rate (jnp.dot 2048^3): {meta['matmul_gflops']:.0f} GFLOP/s")
     setups, trl = [], {}
     with tempfile.TemporaryDirectory(prefix="jopd-bench-") as tmp:
         work = Path(tmp)
