@@ -23,9 +23,10 @@ The update part (score + update) on one fixed rollout batch is compared with TRL
 `GKDTrainer` (lmbda=0) on the same sequences (see benchmarks/trl_update.py) in `--rounds` paired rounds: each
 round runs one jopd update, then one update of each TRL trainer, so the shared machine's drift (±15% over
 minutes here) hits neighbours alike; the speed-up is the median of the per-round ratios with a 95% bootstrap CI.
-TRL runs in the benchmark's process, so it gets the same glibc malloc settings as jopd (`jopd.host_malloc`:
-without them both page-fault their large buffers in anew on every step here, torch far more: run with
-JOPD_HOST_MALLOC=0 to compare under glibc's defaults).
+TRL runs in the benchmark's process, so it gets the same glibc malloc settings as jopd. Under glibc's defaults
+both page-fault their large buffers in anew on every step on this VM, torch far more (1.1-1.5 M faults per TRL
+step); `JOPD_HOST_MALLOC=1 PYTHONPATH=. python benchmarks/opd_step.py` runs both with `jopd.host_malloc`'s
+settings instead (buffers reused, no faults).
 The report also counts the update part's matmul FLOPs (`update_matmul_flops`) and divides them by this machine's
 fp32 matmul rate (jnp.dot 2048^3, best of 5): the time the same computation cannot get under here, against which
 jopd's update time and a 2x-over-TRL time are put.
@@ -420,7 +421,7 @@ def bound_line(s: dict, trl_rows: dict, matmul_gflops: float) -> str:
 def print_report(meta: dict, setups: list[dict], trl: dict, memory: dict | None) -> None:
     print(f"\n# OPD step, fp32 on {meta['device']} ({meta['cpus']} CPUs); load average {meta['load_start']:.2f} at "
           f"start, {meta['load_end']:.2f} at end; jax {meta['jax']}, torch {meta['torch']}, trl {meta['trl']}; "
-          f"JOPD_HOST_MALLOC={meta.get('host_malloc', 'auto')} (jopd and TRL share this process's malloc)")
+          f"JOPD_HOST_MALLOC={meta.get('host_malloc', '0')} (jopd and TRL share this process's malloc)")
     print("\n## jopd, tokens/s by stage (tokens = batch x new tokens; median of blocked runs)\n")
     print("| setup | batch x new | rollout | teacher score | update | sum of stages | full step (unblocked) |"
           " compile s (roll/score/upd) |")
@@ -527,7 +528,7 @@ def main() -> int:
     stem = "opd_step_quick" if args.quick else "opd_step"
     load_start = load_avg() if args.quick else wait_for_quiet(args.max_load, args.max_wait)
     meta = {"device": jax.devices()[0].device_kind, "cpus": os.cpu_count(), "load_start": load_start,
-            "host_malloc": os.environ.get("JOPD_HOST_MALLOC", "auto"),
+            "host_malloc": os.environ.get("JOPD_HOST_MALLOC", "0"),
             "jax": jax.__version__, "torch": torch.__version__, "trl": trl_update.trl_version(),
             "quick": args.quick, "repeats": args.repeats}
     print(f"load average at start: {load_start:.2f}; trl {meta['trl']}, torch {meta['torch']}", flush=True)

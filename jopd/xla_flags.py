@@ -30,8 +30,8 @@ def with_cpu_defaults(xla_flags: str, jaxlib_version: str = jaxlib.__version__) 
 
 
 def apply_cpu_defaults() -> None:
-    """Add the defaults to the XLA_FLAGS environment variable and tune glibc malloc for XLA:CPU's buffers
-    (`jopd.host_malloc`). Call before the first jax computation (the CPU backend reads XLA_FLAGS once, when it
+    """Add the defaults to the XLA_FLAGS environment variable, and apply the opt-in glibc malloc settings for
+    XLA:CPU's buffers when JOPD_HOST_MALLOC=1 (`jopd.host_malloc`). Call before the first jax computation (the CPU backend reads XLA_FLAGS once, when it
     starts, and its threads take their malloc arena then); a later call has no effect on the running backend."""
     if os.environ.get("JOPD_XLA_DEFAULTS", "1") != "0":
         os.environ["XLA_FLAGS"] = with_cpu_defaults(os.environ.get("XLA_FLAGS", ""))
