@@ -28,8 +28,9 @@ both page-fault their large buffers in anew on every step on this VM, torch far 
 step); `JOPD_HOST_MALLOC=1 PYTHONPATH=. python benchmarks/opd_step.py` runs both with `jopd.host_malloc`'s
 settings instead (buffers reused, no faults).
 The report also counts the update part's matmul FLOPs (`update_matmul_flops`) and divides them by this machine's
-fp32 matmul rate (jnp.dot 2048^3, best of 5): the time the same computation cannot get under here, against which
-jopd's update time and a 2x-over-TRL time are put.
+fp32 matmul rate (jnp.dot 2048^3, best of 5): the time the same computation cannot get under here. Next to it, the
+matmul floor (`update_matmul_floor_s`: each of the update's einsums timed alone at its own shape, summed), against
+which jopd's update time and a 2x-over-TRL time are put.
 The loss's peak memory (truncated RKL vs full-vocab, T=512, V=49152, K=32) comes from benchmarks/loss_memory.py.
 
     PYTHONPATH=. python benchmarks/opd_step.py            # full run (~10-15 min on 2 busy cores)
