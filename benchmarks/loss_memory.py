@@ -20,7 +20,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
 
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jopd.losses import LossConfig, teacher_topk, token_loss, token_loss_from_logits  # noqa: E402
+from jopd.losses import LossBatch, LossConfig, teacher_topk, token_loss, token_loss_from_logits  # noqa: E402
 from jopd.models import transformer as tfm  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402
 
@@ -43,9 +43,9 @@ def _sds(shape, dtype=jnp.float32):
 def student_variants(B, T, V, D, K, chunks):
     """name -> (function of (head, hidden, batch) returning grads, abstract batch)."""
     mc = ModelConfig(vocab_size=V, hidden_size=D)
-    base = {"targets": _sds((B, T), jnp.int32), "response_mask": _sds((B, T), jnp.bool_)}
-    topk = dict(base, teacher_topk_ids=_sds((B, T, K), jnp.int32), teacher_topk_logprobs=_sds((B, T, K)))
-    full = dict(base, teacher_logits=_sds((B, T, V)))
+    base = LossBatch(targets_BxT=_sds((B, T), jnp.int32), response_mask_BxT=_sds((B, T), jnp.bool_))
+    topk = base.replace(teacher_topk_ids_BxTxK=_sds((B, T, K), jnp.int32), teacher_topk_logprobs_BxTxK=_sds((B, T, K)))
+    full = base.replace(teacher_logits_BxTxV=_sds((B, T, V)))
 
     def grad_of(loss):
         return jax.grad(lambda head, hidden, batch: loss(head, hidden, batch)[0], argnums=(0, 1))

@@ -13,7 +13,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
 
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jopd import mesh as M  # noqa: E402
+from jopd.parallel import mesh as M  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.models import transformer as T  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402

@@ -1,7 +1,7 @@
 """Tokens/s of one full OPD step (rollout + teacher scoring + update), stage by stage, and of the update part vs
 TRL's distillation trainers on the same model pair and batch.
 
-Setups (fp32, this machine's CPU; jopd through `jopd.train.build`, i.e. the jitted stages the loop runs):
+Setups (fp32, this machine's CPU; jopd through `jopd.opd.loop.build`, i.e. the `OPDStep` the loop runs):
   testbed  the architectures of configs/testbed.yaml, random init (warm starts set to 0 steps: weights do not
            change the speed), its batch (32 prompts, 32 new tokens, top-p 0.95) and loss (top-32 RKL, exact
            mismatch KL on).
@@ -14,18 +14,18 @@ EOS is disabled in the sampler, so every row generates all new tokens: tokens/st
 response tokens; the forward passes also cover the prompt).
 
 Stages, each timed with `block_until_ready` after a warm-up step (compile time = first call - median):
-  rollout  weight sync (`prepare_sampler_params`) + `Sampler.sample_padded` (prefill + decode)
-  score    `sequence_layout` + `score_with_teacher` (teacher forward, chunked top-K) + `loss_batch`
-  update   the jitted train step (student forward/backward, loss, clipping, AdamW)
-  step     end to end, `train.rollout_and_score` + train step dispatched back to back without blocking (as the
-           loop runs them), blocked once after `--repeats` steps.
+  rollout  `OPDStep.rollout`: weight sync (`prepare_sampler_params`) + the sampler (prefill + decode)
+  score    `OPDStep.score`: sequence layout + teacher forward (chunked top-K) -> the `TrainBatch`
+  update   `OPDStep.update`: the jitted train step (student forward/backward, loss, clipping, AdamW)
+  step     end to end, `OPDStep.__call__` (rollout, score, update dispatched back to back without blocking, as
+           the loop runs them), blocked once after `--repeats` steps.
 The update part (score + update) on one fixed rollout batch is compared with TRL's `DistillationTrainer` and
 `GKDTrainer` (lmbda=0) on the same sequences (see benchmarks/trl_update.py) in `--rounds` paired rounds: each
 round runs one jopd update, then one update of each TRL trainer, so the shared machine's drift (±15% over
 minutes here) hits neighbours alike; the speed-up is the median of the per-round ratios with a 95% bootstrap CI.
 TRL runs in the benchmark's process, so it gets the same glibc malloc settings as jopd. Under glibc's defaults
 both page-fault their large buffers in anew on every step on this VM, torch far more (1.1-1.5 M faults per TRL
-step); `JOPD_HOST_MALLOC=1 PYTHONPATH=. python benchmarks/opd_step.py` runs both with `jopd.host_malloc`'s
+step); `JOPD_HOST_MALLOC=1 PYTHONPATH=. python benchmarks/opd_step.py` runs both with `jopd.runtime.host_malloc`'s
 settings instead (buffers reused, no faults).
 The report also counts the update part's matmul FLOPs (`update_matmul_flops`) and divides them by this machine's
 fp32 matmul rate (jnp.dot 2048^3, best of 5): the time the same computation cannot get under here. Next to it, the
@@ -54,7 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
 
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
@@ -68,18 +68,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark mo
 
 import trl_update  # noqa: E402
 from sampler import matmul_gflops  # noqa: E402
-from jopd import train as trainlib  # noqa: E402
-from jopd.config import load_config  # noqa: E402
+from jopd.opd import loop  # noqa: E402
+from jopd.opd.run_config import load_config  # noqa: E402
+from jopd.opd.step import build_step  # noqa: E402
 from jopd.data.pipeline import train_iterator  # noqa: E402
-from jopd.distributed import host_local_to_global  # noqa: E402
 from jopd.models import io  # noqa: E402
-from jopd.config import MODEL_DTYPES  # noqa: E402
-from jopd.stages import FULL_TEACHER_KINDS  # noqa: E402
-from jopd.objectives import rollout_loss_fn  # noqa: E402
-from jopd.optim import make_optimizer  # noqa: E402
-from jopd.rollout import loss_batch, score_with_teacher, sequence_layout  # noqa: E402
-from jopd.sampler import Sampler, row_randomness  # noqa: E402
-from jopd.train_step import make_train_step  # noqa: E402
+from jopd.sampling.sampler import Sampler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTBED = ROOT / "configs" / "testbed.yaml"
@@ -110,36 +104,30 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 # engines
 
 
-def without_eos(eng: trainlib.Engines) -> trainlib.Engines:
+def without_eos(run: loop.OPDRun) -> loop.OPDRun:
     """Same sampler with no stop token: every row generates max_new_tokens (a fixed amount of work per step)."""
-    s = eng.stages.sampler
+    s = run.step.sampler
     sampler = Sampler(dataclasses.replace(s.cfg, eos_token_id=None), s.sampling, s.precision, shardings=s.shardings)
-    return dataclasses.replace(eng, stages=dataclasses.replace(eng.stages, sampler=sampler))
+    return dataclasses.replace(run, step=dataclasses.replace(run.step, sampler=sampler))
 
 
-def with_loss_kind(eng: trainlib.Engines, kind: str) -> trainlib.Engines:
-    """The same engines with another loss (e.g. full-vocab `rkl`, what TRL's trainers compute): the train step
-    rebuilt exactly as `train.build` builds it."""
-    loss_cfg = dataclasses.replace(eng.loss_cfg, kind=kind)
-    cfg = eng.cfg
-    step_fn = make_train_step(rollout_loss_fn(eng.student_cfg, loss_cfg, MODEL_DTYPES[cfg.student.dtype]),
-                              make_optimizer(cfg.optim, cfg.train.steps), cfg.optim.grad_accum_steps)
-    sh = eng.stages.state_shardings
-    step = jax.jit(step_fn, in_shardings=(sh, None), out_shardings=(sh, None), donate_argnums=0)
-    score_kw = dict(eng.stages.score_kw, loss_cfg=loss_cfg, full_teacher_logits=kind in FULL_TEACHER_KINDS)
-    return dataclasses.replace(eng, stages=dataclasses.replace(eng.stages, loss_cfg=loss_cfg, train_step=step,
-                                                               score_kw=score_kw))
+def with_loss_kind(run: loop.OPDRun, kind: str) -> loop.OPDRun:
+    """The same run with another loss (e.g. full-vocab `rkl`, what TRL's trainers compute), built by the
+    production `build_step`."""
+    st = run.step
+    step = build_step(run.cfg, st.student_cfg, st.teacher_cfg, st.mesh, dataclasses.replace(st.loss_cfg, kind=kind),
+                      run.tokenizer)
+    return without_eos(dataclasses.replace(run, step=step))
 
 
 def build_testbed(work: Path, overrides: list[str]):
     cfg = load_config(str(TESTBED), ["teacher.warm_start.steps=0", "student.warm_start.steps=0",
                                      f"train.cache_dir={work / 'cache'}", f"train.out_dir={work / 'run'}",
                                      *overrides])
-    eng, state = trainlib.build(cfg, log=lambda m: None)
-    eng = without_eos(eng)
+    run, state = loop.build(cfg, log=lambda m: None)
     cache = work / "cache"
     pair = (next(cache.glob("testbed-teacher-*")), next(cache.glob("testbed-student-*")))
-    return eng, state, pair
+    return without_eos(run), state, pair
 
 
 def write_sliced_student(work: Path, student_layers: int) -> tuple[Path, Path]:
@@ -156,9 +144,8 @@ def build_smollm2(work: Path, student_layers: int, overrides: list[str]):
     teacher, student = write_sliced_student(work, student_layers)
     cfg = load_config(str(TESTBED), [f"teacher.path={teacher}", f"student.path={student}",
                                      f"train.out_dir={work / 'run-smollm2'}", *overrides])
-    eng, state = trainlib.build(cfg, log=lambda m: None)
-    eng = without_eos(eng)
-    return eng, state, (teacher, student)
+    run, state = loop.build(cfg, log=lambda m: None)
+    return without_eos(run), state, (teacher, student)
 
 
 def random_prompt_batches(n: int, batch: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -168,27 +155,7 @@ def random_prompt_batches(n: int, batch: int, length: int, vocab: int, seed: int
 
 
 # ------------------------------------------------------------------------------------------------
-# the stages of `train.rollout_and_score`, callable one at a time (single process, OPD losses)
-
-
-def rollout(eng: trainlib.Engines, state, batch: dict, step: int):
-    cfg = eng.cfg
-    B = batch["prompt_tokens"].shape[0]
-    step_key = jax.random.fold_in(state.rng, step)
-    sampler_params = eng.stages.sync(state.params, jax.random.fold_in(step_key, 1))
-    rand = row_randomness(cfg.train.seed * 1_000_003 + 7, step * B + np.arange(B), eng.stages.sampler.sampling.max_new_tokens)
-    local = {"prompt": batch["prompt_tokens"], "mask": batch["prompt_mask"].astype(bool), "u": rand.uniforms_BxN,
-             "k": rand.noise_key_data_Bx2}
-    glob = host_local_to_global(local, eng.stages.batch_sharding)
-    out = eng.stages.sampler.sample_padded(sampler_params, glob["prompt"], glob["mask"], type(rand)(glob["u"], glob["k"]))
-    return glob, out
-
-
-def score(eng: trainlib.Engines, glob: dict, out) -> dict:
-    layout = sequence_layout(glob["prompt"], glob["mask"], out.tokens_BxN, out.lengths_B)
-    teacher = score_with_teacher(eng.teacher_params, layout, **eng.stages.score_kw)
-    is_lp = out.unprocessed_logprobs_BxN if eng.cfg.train.is_logprobs == "unprocessed" else out.logprobs_BxN
-    return loss_batch(layout, teacher, sampler_logprobs_BxN=is_lp, sampler_full_logprobs_BxNxV=out.full_logprobs_BxNxV)
+# the stages of `OPDStep`, timed one at a time (single process, OPD losses)
 
 
 def _blocked(fn, *args):
@@ -197,46 +164,43 @@ def _blocked(fn, *args):
     return out, time.perf_counter() - t
 
 
-def time_stages(eng, state, batches: list[dict], repeats: int):
+def time_stages(run, state, batches: list[dict], repeats: int):
     """Warm-up step (compiles), then `repeats` blocked steps: per-stage first-call and median seconds."""
+    st = run.step
     times = {k: [] for k in STAGES}
     first = {}
     for r in range(repeats + 1):
-        (glob, out), t_roll = _blocked(rollout, eng, state, batches[r % len(batches)], r)
-        lb, t_score = _blocked(score, eng, glob, out)
-        (state, _), t_upd = _blocked(eng.stages.train_step, state, lb)
+        rollout, t_roll = _blocked(st.rollout, state, batches[r % len(batches)], r)
+        tb, t_score = _blocked(st.score, run.teacher_params, rollout)
+        (state, _), t_upd = _blocked(st.update, state, tb)
         for k, t in zip(STAGES, (t_roll, t_score, t_upd)):
             (times[k].append(t) if r else first.__setitem__(k, t))
     med = {k: float(np.median(v)) for k, v in times.items()}
-    return state, med, first, (glob, out)
+    return state, med, first, rollout
 
 
-def check_same_as_loop(eng, state, batch: dict, step: int) -> None:
-    """The stage-by-stage path samples the same tokens as `train.rollout_and_score` (guards against drift)."""
-    _, out = rollout(eng, state, batch, step)
-    _, ref = trainlib.rollout_and_score(eng, state, batch, step)
-    if not np.array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN)):
-        raise AssertionError("benchmark stages diverged from train.rollout_and_score")
-
-
-def time_end_to_end(eng, state, batches: list[dict], repeats: int, first_step: int):
+def time_end_to_end(run, state, batches: list[dict], repeats: int, first_step: int):
     """`repeats` full steps as the loop dispatches them (no block in between); seconds per step."""
     t = time.perf_counter()
     metrics = None
     for r in range(repeats):
-        lb, _ = trainlib.rollout_and_score(eng, state, batches[r % len(batches)], first_step + r)
-        state, metrics = eng.stages.train_step(state, lb)
+        state, metrics, _ = run.step(state, run.teacher_params, batches[r % len(batches)], first_step + r)
     jax.block_until_ready((state, metrics))
     return state, (time.perf_counter() - t) / repeats
 
 
-def time_update_part(eng, state, glob, out, repeats: int):
+def update_part(run, state, rollout):
+    """Teacher scoring + train step on a fixed rollout (the update part)."""
+    return run.step.update(state, run.step.score(run.teacher_params, rollout))
+
+
+def time_update_part(run, state, rollout, repeats: int):
     """Teacher scoring + train step on one fixed rollout batch, unblocked; seconds per update."""
-    state, _ = jax.block_until_ready(eng.stages.train_step(state, score(eng, glob, out)))  # warm
+    state, _ = jax.block_until_ready(update_part(run, state, rollout))  # warm
     t = time.perf_counter()
     metrics = None
     for _ in range(repeats):
-        state, metrics = eng.stages.train_step(state, score(eng, glob, out))
+        state, metrics = update_part(run, state, rollout)
     jax.block_until_ready((state, metrics))
     return state, (time.perf_counter() - t) / repeats
 
@@ -308,26 +272,26 @@ def update_matmul_floor_s(t_cfg, s_cfg, batch: int, prompt_len: int, new_tokens:
     return teacher + student
 
 
-def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tuple, object]:
-    B, N = batches[0]["prompt_tokens"].shape[0], eng.stages.sampler.sampling.max_new_tokens
+def bench_setup(name: str, run, state, batches, repeats: int) -> tuple[dict, object, object]:
+    st = run.step
+    B, N = batches[0]["prompt_tokens"].shape[0], st.sampler.sampling.max_new_tokens
     tokens = B * N
-    state, med, first, fixed = time_stages(eng, state, batches, repeats)
-    check_same_as_loop(eng, state, batches[0], 10_000)
-    state, step_s = time_end_to_end(eng, state, batches, repeats, first_step=repeats + 1)
-    state, update_part_s = time_update_part(eng, state, *fixed, repeats)
-    state, update_full_s = time_update_part(with_loss_kind(eng, "rkl"), state, *fixed, repeats)
+    state, med, first, fixed = time_stages(run, state, batches, repeats)
+    state, step_s = time_end_to_end(run, state, batches, repeats, first_step=repeats + 1)
+    state, update_part_s = time_update_part(run, state, fixed, repeats)
+    state, update_full_s = time_update_part(with_loss_kind(run, "rkl"), state, fixed, repeats)
     res = {"name": name, "batch": B, "prompt_len": int(batches[0]["prompt_tokens"].shape[1]), "new_tokens": N,
-           "tokens_per_step": tokens, "student_layers": eng.student_cfg.num_layers,
-           "teacher_layers": eng.teacher_cfg.num_layers, "vocab": eng.student_cfg.vocab_size,
-           "loss": eng.loss_cfg.kind, "top_k": eng.loss_cfg.top_k, "mismatch": eng.cfg.train.mismatch,
+           "tokens_per_step": tokens, "student_layers": st.student_cfg.num_layers,
+           "teacher_layers": st.teacher_cfg.num_layers, "vocab": st.student_cfg.vocab_size,
+           "loss": st.loss_cfg.kind, "top_k": st.loss_cfg.top_k, "mismatch": run.cfg.train.mismatch,
            "stage_s": med, "compile_s": {k: max(first[k] - med[k], 0.0) for k in STAGES},
            "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
            "step_s": step_s, "step_tokens_per_s": tokens / step_s, "blocked_sum_s": sum(med.values()),
            "update_part_s": update_part_s, "update_part_tokens_per_s": tokens / update_part_s,
-           "update_matmul_gflop": update_matmul_flops(eng.teacher_cfg, eng.student_cfg, B,
+           "update_matmul_gflop": update_matmul_flops(st.teacher_cfg, st.student_cfg, B,
                                                       int(batches[0]["prompt_tokens"].shape[1]), N,
-                                                      eng.loss_cfg.top_k) / 1e9,
-           "update_matmul_floor_s": update_matmul_floor_s(eng.teacher_cfg, eng.student_cfg, B,
+                                                      st.loss_cfg.top_k) / 1e9,
+           "update_matmul_floor_s": update_matmul_floor_s(st.teacher_cfg, st.student_cfg, B,
                                                           int(batches[0]["prompt_tokens"].shape[1]), N),
            "update_part_full_vocab_s": update_full_s, "update_part_full_vocab_tokens_per_s": tokens / update_full_s,
            "load_avg_end": load_avg()}
@@ -338,13 +302,12 @@ def bench_setup(name: str, eng, state, batches, repeats: int) -> tuple[dict, tup
 # comparison, memory, report
 
 
-def paired_rounds(eng, state, fixed, trl_steps: dict, rounds: int):
+def paired_rounds(run, state, fixed, trl_steps: dict, rounds: int):
     """`rounds` rounds of: one jopd update part (score + train step, blocked), then one update of each TRL trainer,
     all on the same fixed batch. Seconds per implementation and round (paired: neighbours in time)."""
-    glob, out = fixed
     secs = {"jopd": []} | {name: [] for name in trl_steps}
     for _ in trange(rounds, desc="paired rounds", leave=False):
-        (state, _), t = _blocked(lambda s: eng.stages.train_step(s, score(eng, glob, out)), state)
+        (state, _), t = _blocked(update_part, run, state, fixed)
         secs["jopd"].append(t)
         for name, r in trl_steps.items():
             trl_update.use_threads(r["threads"])
@@ -361,17 +324,17 @@ def ratio_summary(jopd_s: list[float], other_s: list[float]) -> dict:
     return {"median": float(np.median(ratios)), "ci95": [float(ci.low), float(ci.high)], "per_round": ratios.tolist()}
 
 
-def compare_with_trl(res: dict, eng, state, fixed, pair, args, threads: tuple[int, ...], workdir: Path):
+def compare_with_trl(res: dict, run, state, fixed, pair, args, threads: tuple[int, ...], workdir: Path):
     """TRL's trainers (best torch thread count) and jopd's update part timed in interleaved rounds; fills
     res["update_part_s"] with jopd's median over the rounds and returns TRL's results and the state."""
-    glob, out = fixed
-    steps = trl_update.trl_update_steps(pair[0], pair[1], eng.tokenizer, np.asarray(glob["prompt"]),
-                                        np.asarray(glob["mask"]).astype(np.int64), np.asarray(out.tokens_BxN),
-                                        lr=eng.cfg.optim.learning_rate, max_grad_norm=eng.cfg.optim.grad_clip_norm,
+    steps = trl_update.trl_update_steps(pair[0], pair[1], run.tokenizer, np.asarray(fixed.prompt_BxP),
+                                        np.asarray(fixed.prompt_mask_BxP).astype(np.int64),
+                                        np.asarray(fixed.sample.tokens_BxN),
+                                        lr=run.cfg.optim.learning_rate, max_grad_norm=run.cfg.optim.grad_clip_norm,
                                         calib_steps=max(args.repeats - 1, 1), max_steps=args.rounds + 20,
                                         threads=threads, workdir=str(workdir))
     ok = {name: r for name, r in steps.items() if "error" not in r}
-    secs, state = paired_rounds(eng, state, fixed, ok, args.rounds)
+    secs, state = paired_rounds(run, state, fixed, ok, args.rounds)
     res["update_part_unpaired_s"] = res["update_part_s"]
     res["update_part_rounds_s"] = secs["jopd"]
     res["update_part_s"] = float(np.median(secs["jopd"]))
@@ -438,7 +401,7 @@ def print_report(meta: dict, setups: list[dict], trl: dict, memory: dict | None)
     for s in setups:
         tok = s["tokens_per_step"]
         unpaired_top = s.get("update_part_unpaired_s", s["update_part_s"])
-        jopd = "jopd (score_with_teacher + train step)"
+        jopd = "jopd (OPDStep.score + update)"
         rows = [(jopd, f"top-{s['top_k']} RKL", "unblocked, back to back", unpaired_top, "1.00x"),
                 (jopd, "full-vocab RKL", "unblocked, back to back", s["update_part_full_vocab_s"],
                  f"{s['update_part_full_vocab_s'] / unpaired_top:.2f}x")]
@@ -540,30 +503,30 @@ def main() -> int:
         work = Path(tmp)
         small = ["data.batch_size=4", "sampling.max_new_tokens=8"] if args.quick else []
         log("testbed: building")
-        eng, state, pair = build_testbed(work, small)
-        it = train_iterator(eng.cfg.data, eng.tokenizer, kind="prompt")
+        run, state, pair = build_testbed(work, small)
+        it = train_iterator(run.cfg.data, run.tokenizer, kind="prompt")
         batches = [next(it) for _ in range(args.repeats + 1)]
         log("testbed: timing stages")
-        res, fixed, state = bench_setup("testbed", eng, state, batches, args.repeats)
+        res, fixed, state = bench_setup("testbed", run, state, batches, args.repeats)
         setups.append(res)
         if not args.skip_trl:
             log("testbed: TRL update, paired rounds")
-            trl["testbed"], state = compare_with_trl(res, eng, state, fixed, pair, args, threads, work)
-        del eng, state, fixed
+            trl["testbed"], state = compare_with_trl(res, run, state, fixed, pair, args, threads, work)
+        del run, state, fixed
         if not (args.quick or args.skip_smollm2):
             log("smollm2: building")
             over = [f"data.batch_size={args.batch}", f"sampling.max_new_tokens={args.new_tokens}",
                     f"train.mismatch={args.mismatch}"]
-            eng, state, pair = build_smollm2(work, args.student_layers, over)
-            name = f"smollm2 {eng.teacher_cfg.num_layers}L -> {args.student_layers}L"
-            batches = random_prompt_batches(args.repeats + 1, args.batch, args.prompt_tokens, eng.student_cfg.vocab_size)
+            run, state, pair = build_smollm2(work, args.student_layers, over)
+            name = f"smollm2 {run.step.teacher_cfg.num_layers}L -> {args.student_layers}L"
+            batches = random_prompt_batches(args.repeats + 1, args.batch, args.prompt_tokens, run.step.student_cfg.vocab_size)
             log(f"{name}: timing stages")
-            res, fixed, state = bench_setup(name, eng, state, batches, args.repeats)
+            res, fixed, state = bench_setup(name, run, state, batches, args.repeats)
             setups.append(res)
             if not args.skip_trl:
                 log(f"{name}: TRL update, paired rounds")
-                trl[name], state = compare_with_trl(res, eng, state, fixed, pair, args, threads, work)
-            del eng, state, fixed
+                trl[name], state = compare_with_trl(res, run, state, fixed, pair, args, threads, work)
+            del run, state, fixed
     memory = None
     if not args.skip_memory:
         T, V, K, D = (64, 1024, 32, 64) if args.quick else (512, 49152, 32, 576)

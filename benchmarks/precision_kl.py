@@ -3,7 +3,7 @@
 For each rollout precision (and optional logit / weight noise) the sampler generates responses to a few chat
 prompts with the full unprocessed log-softmax returned; the fp32 trainer forward scores the same sequences;
 the table shows the exact KL(sampler ‖ trainer) per response token (mean and max over tokens) and the cheap
-estimators k1, k3 and the IS-weight ESS from the sampled tokens (DESIGN.md "Definitions").
+estimators k1, k3 and the IS-weight ESS from the sampled tokens (docs/architecture.md, "Definitions").
 
     PYTHONPATH=. python benchmarks/precision_kl.py [--new-tokens 32] [--temperature 1.0]
 """
@@ -15,7 +15,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
 
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 from jopd.lab.mismatch import exact_kl_BxT, mismatch_estimators, trainer_response_logits  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.models import transformer as T  # noqa: E402
-from jopd.precision import precision_from_name, prepare_sampler_params  # noqa: E402
-from jopd.sampler import Sampler, SamplingConfig  # noqa: E402
+from jopd.sampling.precision import precision_from_name, prepare_sampler_params  # noqa: E402
+from jopd.sampling.sampler import Sampler, SamplingConfig  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
            "List three prime numbers.", "How do I reverse a list in Python?", "Tell me a fun fact about cats.",

@@ -29,7 +29,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from jopd.xla_flags import apply_cpu_defaults  # noqa: E402
+from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
 
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jopd.models import io  # noqa: E402
-from jopd.sampler import Sampler, SamplingConfig  # noqa: E402
+from jopd.sampling.sampler import Sampler, SamplingConfig  # noqa: E402
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:

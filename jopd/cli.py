@@ -1,5 +1,5 @@
-"""`jopd <command> ...`: each command lives in `jopd/commands/<name>.py` with `add_arguments(parser)` and
-`run(args) -> int`; this file only discovers and dispatches them (so commands stay independent)."""
+"""The `jopd` command line. Each command lives in `jopd/commands/<name>.py` with `add_arguments(parser)` and
+`run(args) -> int`; this module only discovers and dispatches them, so commands stay independent."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pkgutil
 import sys
 
 import jopd.commands
-from jopd.xla_flags import apply_cpu_defaults
+from jopd.runtime.xla_flags import apply_cpu_defaults
+
+# What `jopd --help` shows (this module's docstring is for developers).
+DESCRIPTION = ("On-policy distillation of language models in JAX: a student model learns from its own samples, "
+               "scored token by token by a frozen teacher.")
+EPILOG = ("Start with `jopd train configs/testbed.yaml` (the CPU testbed, about 10 minutes on 2 cores); "
+          "`jopd COMMAND -h` shows a command's options.")
 
 
 def _command_modules() -> dict[str, object]:
@@ -18,8 +24,8 @@ def _command_modules() -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jopd", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="jopd", description=DESCRIPTION, epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     for name, mod in _command_modules().items():
         p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None,
                            description=mod.__doc__)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import pydantic
 
-from jopd.configlib import config_dataclass
+from jopd.config_dataclass import config_dataclass
 from jopd.data.answers import is_correct
 
 

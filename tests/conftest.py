@@ -4,7 +4,7 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from jopd.xla_flags import apply_cpu_defaults  # noqa: E402  (imports jaxlib only, not jax)
+from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402  (imports jaxlib only, not jax)
 
 apply_cpu_defaults()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from jopd.aot import STAGES
+from jopd.opd.aot import STAGES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
         # The topology supplies the compile target; the host backend only traces. On a TPU VM this also
         # keeps the tool off chips that a training run may be using.
         jax.config.update("jax_platforms", "cpu")
-    from jopd.aot import check_fits, compile_opd_step, topology_devices
-    from jopd.config import load_config
+    from jopd.opd.aot import check_fits, compile_opd_step, topology_devices
+    from jopd.opd.run_config import load_config
 
     cfg = load_config(args.config, args.overrides)  # validation errors surface before any compile
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]

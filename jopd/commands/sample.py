@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jopd.configlib import ConfigError, build
+from jopd.config_dataclass import ConfigError, build
+from jopd.data.chat import user_prompt_ids
 from jopd.models import io
-from jopd.precision import PRESETS, PrecisionConfig, prepare_sampler_params
-from jopd.sampler import Sampler, SamplingConfig
+from jopd.sampling.precision import PRESETS, PrecisionConfig, prepare_sampler_params
+from jopd.sampling.sampler import Sampler, SamplingConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,13 +71,6 @@ def read_prompts(path: str) -> list[tuple[int, str]]:
     return out
 
 
-def prompt_ids(tokenizer, text: str, chat_template: bool) -> list[int]:
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
-
-
 def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: must be >= 1, got {args.batch_size}")
@@ -94,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg, params = io.load_params(args.model, dtype=jnp.float32, progress=sys.stderr.isatty())
     tokenizer = io.load_tokenizer(args.model)
-    ids = [prompt_ids(tokenizer, text, not args.no_chat_template) for _, text in rows]
+    ids = [user_prompt_ids(tokenizer, text, not args.no_chat_template) for _, text in rows]
     for (line, _), p in zip(rows, ids):
         if not p:
             raise ValueError(f"{args.prompts}:{line}: the prompt is empty after tokenization")

@@ -13,13 +13,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jopd.config import load_config, to_yaml
+    from jopd.opd.run_config import load_config, to_yaml
 
     cfg = load_config(args.config, args.overrides)  # validation errors surface before any compute
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    from jopd.train import train
+    from jopd.opd.loop import train
 
     summary = train(cfg)
     return 0 if "after" in summary or summary["steps"] < cfg.train.steps else 1

@@ -20,7 +20,7 @@ from typing import overload
 import numpy as np
 import pydantic
 
-from jopd.configlib import config_dataclass
+from jopd.config_dataclass import config_dataclass
 from jopd.data.problem import Problem
 
 _NAMES = ("Al", "Bo", "Cy", "Di", "Ed", "Jo", "Max", "Sam", "Ann", "Zoe", "Kim", "Lu")

@@ -44,3 +44,11 @@ def prompt_response_ids(tokenizer: PreTrainedTokenizerBase, question: str, respo
     if eos is not None and eos in response_ids:
         response_ids = response_ids[: response_ids.index(eos) + 1]
     return prompt, response_ids
+
+
+def user_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
+    """A user's message as prompt ids: chat-formatted when the tokenizer has a template (and `chat_template`),
+    else the raw text tokenized with the tokenizer's own special tokens."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return prompt_ids(tokenizer, text)
+    return list(tokenizer(text)["input_ids"])

@@ -3,7 +3,7 @@
 Train: problem ids -> this process's shard (`ids[process_index::process_count]`) -> seeded global shuffle,
 reshuffled every epoch -> repeat forever -> encode -> batch (drop remainder) -> iterator. The iterator is a
 `grain.DatasetIterator`: its position is saved with `grain.checkpoint.CheckpointSave` beside the train state
-(see `jopd.checkpoint`) and a restored iterator continues with the next batch.
+(see `jopd.opd.checkpoint`) and a restored iterator continues with the next batch.
 
 Held-out: fixed order, padded with copies of the last problem (`valid` False) to a multiple of the global eval
 batch, then sharded the same way, so every process sees the same number of batches.
@@ -34,7 +34,7 @@ import numpy as np
 import pydantic
 from transformers import PreTrainedTokenizerBase
 
-from jopd.configlib import config_dataclass
+from jopd.config_dataclass import config_dataclass
 from jopd.data.arithmetic import ArithmeticConfig, ArithmeticTrain, heldout_problems
 from jopd.data.chat import prompt_ids, prompt_response_ids
 from jopd.data.math_jsonl import load_math_jsonl

@@ -1,6 +1,7 @@
-"""Rollout/trainer **mismatch** (DESIGN.md "Definitions"): the exact full-vocabulary
+"""Rollout/trainer **mismatch** (docs/architecture.md, "Definitions"): the exact full-vocabulary
 KL(sampler's next-token distribution q ‖ trainer's p) at the same temperature on the positions the sampler
-visited, plus the cheap estimators computed from the sampled tokens only.
+visited. The cheap estimators from the sampled tokens alone (k1, k3, |Δprob|, IS effective sample size) are
+`jopd.losses.is_correction.mismatch_estimators`, re-exported here; the train step logs both.
 
 Pure functions over arrays (jit-able); the caller supplies the masks of real response tokens.
 """
@@ -13,6 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+
+from jopd.losses.chunked import chunked_logits_map
+from jopd.losses.is_correction import mismatch_estimators
+from jopd.models import transformer
+from jopd.models.config import ModelConfig
+from jopd.opd.batch import sequence_layout
+from jopd.sampling.sampler import SampleOutput
+
+__all__ = ["exact_kl_BxT", "trainer_response_logits", "mismatch_estimators", "position_mismatch"]
 
 
 def exact_kl_BxT(sampler_logprobs_BxTxV: Float[Array, "B T V"], trainer_logits_BxTxV: Float[Array, "B T V"],
@@ -43,33 +53,26 @@ def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Ar
     return jnp.stack([logits[i, len(p) - 1:len(p) - 1 + n] for i, p in enumerate(prompts)])
 
 
-def masked_mean(x_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
-    m = mask_BxT.astype(jnp.float32)
-    return jnp.sum(x_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)
+def position_mismatch(params, model_cfg: ModelConfig, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"],
+                      sample: SampleOutput, *, temperature: float, chunk: int = 128) -> dict[str, jax.Array]:
+    """Per response position, the trainer's view of a rollout: exact KL(sampler ‖ trainer) over the full
+    vocabulary (needs the sampler's full log-softmax, `SamplingConfig.return_full_logprobs`) and the trainer's
+    log-prob of the sampled token, from the trainer's forward over prompt + response (projected chunk by chunk).
+    Returns {"exact_kl_BxN", "trainer_logprobs_BxN", "response_mask_BxN"}."""
+    if sample.full_logprobs_BxNxV is None:
+        raise ValueError("position_mismatch: the sample has no full log-softmax (sample with return_full_logprobs)")
+    layout = sequence_layout(prompt_BxP, prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
+    N = layout.targets_BxN.shape[1]
+    hidden = transformer.response_hidden(params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N)
 
+    def per_chunk(logits_BxCxV, inp):
+        log_p = jax.nn.log_softmax(logits_BxCxV / temperature, axis=-1)
+        log_q = inp["log_q"].astype(jnp.float32)
+        q = jnp.exp(log_q)
+        kl = jnp.sum(jnp.where(q > 0, q * (log_q - log_p), 0.0), axis=-1)
+        target = jnp.take_along_axis(log_p, inp["targets"][..., None], axis=-1)[..., 0]
+        return {"exact_kl_BxN": kl, "trainer_logprobs_BxN": target}
 
-def mismatch_estimators(sampler_logprobs_BxT: Float[Array, "B T"], trainer_logprobs_BxT: Float[Array, "B T"],
-                        mask_BxT: Bool[Array, "B T"]) -> dict[str, jax.Array]:
-    """Cheap estimators of KL(q ‖ p) from the sampled tokens y ~ q only (log q(y), log p(y) at the same
-    temperature; unprocessed sampler logprobs), averaged over real response tokens:
-
-    k1 = mean(log q − log p); k3 = mean(r − 1 − log r) with r = p/q (unbiased, >= 0 per token);
-    max/mean |Δprob| = |p(y) − q(y)|; ess = (Σ r)² / (n Σ r²), the effective sample size fraction of the
-    importance weights r in (0, 1] (1 when the engines agree).
-    """
-    m = mask_BxT.astype(bool)
-    log_r = trainer_logprobs_BxT.astype(jnp.float32) - sampler_logprobs_BxT.astype(jnp.float32)
-    log_r = jnp.where(m, log_r, 0.0)
-    r = jnp.exp(log_r)
-    dprob = jnp.abs(jnp.exp(trainer_logprobs_BxT.astype(jnp.float32)) -
-                    jnp.exp(sampler_logprobs_BxT.astype(jnp.float32)))
-    dprob = jnp.where(m, dprob, 0.0)
-    n = jnp.maximum(jnp.sum(m), 1)
-    rm = jnp.where(m, r, 0.0)
-    return {
-        "k1": masked_mean(-log_r, m),
-        "k3": masked_mean(r - 1.0 - log_r, m),
-        "max_abs_dprob": jnp.max(dprob),
-        "mean_abs_dprob": masked_mean(dprob, m),
-        "ess": jnp.sum(rm) ** 2 / (n * jnp.maximum(jnp.sum(rm * rm), jnp.finfo(jnp.float32).tiny)),
-    }
+    out = chunked_logits_map(per_chunk, params, hidden, {"log_q": sample.full_logprobs_BxNxV,
+                                                         "targets": layout.targets_BxN}, chunk, remat=False)
+    return out | {"response_mask_BxN": layout.response_mask_BxN}

@@ -1,9 +1,10 @@
 """Distillation losses: pure functions of logits / log-probs, masks and weights.
 
-Entry point: `token_loss(cfg, student_params, model_cfg, hidden_BxTxD, batch) -> (loss, metrics)` (chunked
-over T); teacher side: `teacher_scores` / `teacher_topk` (chunked top-K of the teacher's full softmax).
+Entry point: `token_loss(cfg, student_params, model_cfg, hidden_BxTxD, batch: LossBatch) -> (loss, metrics)`
+(chunked over T; `OBJECTIVES` declares what each kind reads); teacher side: `teacher_scores` / `teacher_topk` (chunked top-K of the teacher's full softmax).
 """
 
+from jopd.losses.batch import LossBatch
 from jopd.losses.chunked import chunked_logits_map, teacher_scores, teacher_topk
 from jopd.losses.config import LossConfig
 from jopd.losses.divergences import (cross_entropy, forward_kl, generalized_jsd, reverse_kl, token_logprobs,
@@ -14,7 +15,7 @@ from jopd.losses.objectives import OBJECTIVES, token_loss, token_loss_from_logit
 from jopd.losses.policy_gradient import discounted_future_sum, opd_advantages, policy_gradient_surrogate
 
 __all__ = [
-    "LossConfig", "OBJECTIVES", "token_loss", "token_loss_from_logits", "teacher_scores", "teacher_topk",
+    "LossBatch", "LossConfig", "OBJECTIVES", "token_loss", "token_loss_from_logits", "teacher_scores", "teacher_topk",
     "chunked_logits_map", "topk_reverse_kl", "topk_tail_reverse_kl", "reverse_kl", "forward_kl", "generalized_jsd", "cross_entropy",
     "token_logprobs", "importance_ratio", "importance_weights", "is_metrics", "mismatch_estimators",
     "loss_mask", "masked_mean", "discounted_future_sum", "opd_advantages", "policy_gradient_surrogate",

@@ -90,9 +90,9 @@ def teacher_scores(
 ) -> dict[str, jax.Array]:
     """Teacher top-K of its FULL softmax (at `temperature`), computed chunk by chunk; no gradient.
 
-    Returns batch entries for `token_loss`: teacher_topk_ids [B,T,K] int32, teacher_topk_logprobs [B,T,K] fp32
-    (log-probs under the full-vocabulary softmax, descending), and, when `targets_BxT` is given,
-    teacher_target_logprobs [B,T] (log pi_t of each target token, for sampled-token OPD).
+    Returns `LossBatch` fields: teacher_topk_ids_BxTxK int32, teacher_topk_logprobs_BxTxK fp32 (log-probs under
+    the full-vocabulary softmax, descending), and, when `targets_BxT` is given, teacher_target_logprobs_BxT
+    (log pi_t of each target token, for sampled-token OPD).
     """
     hidden = jax.lax.stop_gradient(teacher_hidden_BxTxD)
     params = jax.lax.stop_gradient(head_params(teacher_params))
@@ -105,10 +105,10 @@ def teacher_scores(
         z = logits_BxCxV / temperature
         lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
         values, ids = jax.lax.top_k(z, k)
-        out = {"teacher_topk_ids": ids.astype(jnp.int32), "teacher_topk_logprobs": values - lse}
+        out = {"teacher_topk_ids_BxTxK": ids.astype(jnp.int32), "teacher_topk_logprobs_BxTxK": values - lse}
         if "targets" in inp:
             t = inp["targets"].astype(jnp.int32)[..., None]
-            out["teacher_target_logprobs"] = (jnp.take_along_axis(z, t, axis=-1) - lse)[..., 0]
+            out["teacher_target_logprobs_BxT"] = (jnp.take_along_axis(z, t, axis=-1) - lse)[..., 0]
         return out
 
     inputs = {} if targets_BxT is None else {"targets": targets_BxT}
@@ -127,4 +127,4 @@ def teacher_topk(
     """(ids_BxTxK int32, logprobs_BxTxK fp32): the teacher's top-K tokens and their full-softmax log-probs."""
     out = teacher_scores(teacher_hidden_BxTxD, teacher_params, k=k, chunk=chunk, temperature=temperature,
                          dtype=dtype)
-    return out["teacher_topk_ids"], out["teacher_topk_logprobs"]
+    return out["teacher_topk_ids_BxTxK"], out["teacher_topk_logprobs_BxTxK"]

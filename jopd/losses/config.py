@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from jopd.configlib import config_dataclass
+from jopd.config_dataclass import config_dataclass
 
 LossKind = Literal["topk_rkl", "topk_rkl_tail", "sampled_opd", "rkl", "fkl", "jsd", "sft", "reinforce", "grpo"]
 ISMode = Literal["none", "tis", "icepop"]

@@ -57,17 +57,24 @@ def is_metrics(ratio_BxT: Float[Array, "B T"], weights_BxT: Float[Array, "B T"],
     }
 
 
-def mismatch_estimators(trainer_logprobs_BxT: Float[Array, "B T"], sampler_logprobs_BxT: Float[Array, "B T"],
+def mismatch_estimators(sampler_logprobs_BxT: Float[Array, "B T"], trainer_logprobs_BxT: Float[Array, "B T"],
                         mask_BxT: Bool[Array, "B T"]) -> dict[str, jax.Array]:
-    """Sampled-token estimators of KL(sampler || trainer): k1 = mean(log q - log p), k3 = mean(r - 1 - log r),
-    r = p/q; and mean / max |p(y) - q(y)| of the sampled tokens."""
-    log_p = jax.lax.stop_gradient(trainer_logprobs_BxT)
-    log_q = jax.lax.stop_gradient(sampler_logprobs_BxT)
-    log_r = jnp.clip(log_p - log_q, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    """Estimators of the mismatch KL(q || p) from the sampled tokens y ~ q alone (log q(y) from the sampler,
+    log p(y) from the trainer, same temperature), over the masked tokens: k1 = mean(log q - log p) (unbiased,
+    any sign per token); k3 = mean(r - 1 - log r), r = p/q (unbiased, >= 0 per token); mean / max |p(y) - q(y)|;
+    ess = (sum r)^2 / (n sum r^2), the effective sample size fraction of the IS weights, in (0, 1]."""
+    log_q = jax.lax.stop_gradient(sampler_logprobs_BxT).astype(jnp.float32)
+    log_p = jax.lax.stop_gradient(trainer_logprobs_BxT).astype(jnp.float32)
+    mask = mask_BxT.astype(bool)
+    log_r = jnp.where(mask, jnp.clip(log_p - log_q, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
+    r = jnp.where(mask, jnp.exp(log_r), 0.0)
     dprob = jnp.abs(jnp.exp(log_p) - jnp.exp(log_q))
+    s1, s2 = jnp.sum(r), jnp.sum(r * r)
+    n = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
     return {
-        "mismatch_k1": masked_mean(-log_r, mask_BxT),
-        "mismatch_k3": masked_mean(jnp.expm1(log_r) - log_r, mask_BxT),
-        "mismatch_mean_abs_dprob": masked_mean(dprob, mask_BxT),
-        "mismatch_max_abs_dprob": masked_max(dprob, mask_BxT),
+        "k1": masked_mean(-log_r, mask),
+        "k3": masked_mean(jnp.expm1(log_r) - log_r, mask),
+        "mean_abs_dprob": masked_mean(dprob, mask),
+        "max_abs_dprob": masked_max(dprob, mask),
+        "ess": jnp.where(s2 > 0, s1 * s1 / (n * jnp.maximum(s2, 1e-30)), 1.0),
     }

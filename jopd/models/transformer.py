@@ -82,7 +82,7 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> Params:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random init: N(0, 0.02) matrices, zero biases, unit norms (the HF convention).
 
-    Jitted as one program: eager init compiles one RNG kernel per parameter shape (~20 s on CPU)."""
+    Jitted as one program: eager init compiles one RNG kernel per parameter shape (slow on CPU)."""
     return _init_params_jit(cfg, key, jnp.dtype(dtype))
 
 
@@ -142,7 +142,7 @@ def apply_rope(x_BxTxNxDh: jax.Array, positions_BxT: Int[Array, "B T"], inv_freq
     return x_BxTxNxDh * cos + rotated * sin
 
 
-BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split the batch (jopd.mesh's `batch` rule)
+BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split the batch (jopd.parallel.mesh's `batch` rule)
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -318,6 +318,15 @@ def forward(
     if return_hidden:
         return hidden, new_cache
     return logits_from_hidden(params, hidden, dtype=dtype, logits_dtype=logits_dtype), new_cache
+
+
+def response_hidden(params: Params, cfg: ModelConfig, tokens_BxS: Int[Array, "B S"], attn_mask_BxS: Bool[Array, "B S"],
+                    n_response: int, dtype=jnp.float32) -> Float[Array, "B N D"]:
+    """Final hidden states at the N positions that predict the last N tokens (a prompt + response sequence),
+    stop-gradient: what a frozen model's scoring reads."""
+    hidden, _ = forward(params, tokens_BxS, cfg=cfg, attn_mask_BxT=attn_mask_BxS, dtype=dtype, return_hidden=True)
+    S = tokens_BxS.shape[1]
+    return jax.lax.stop_gradient(hidden[:, S - n_response - 1:S - 1])
 
 
 class Transformer(nnx.Module):

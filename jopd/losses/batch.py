@@ -1,0 +1,39 @@
+"""`LossBatch`: everything a per-token loss reads, as one typed pytree (a jit argument of the train step).
+
+Every [B, T, ...] field is aligned with the student's hidden positions: slot t describes the prediction of
+`targets_BxT[:, t]`. Optional fields are None when the loss kind does not read them (the registry in
+`losses.objectives` declares which kind needs which); None is an empty pytree node, so a missing field costs
+nothing under jit and needs no sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+from jaxtyping import Array, Bool, Float, Int
+
+
+@flax.struct.dataclass
+class LossBatch:
+    targets_BxT: Int[Array, "B T"]  # token predicted at each position
+    response_mask_BxT: Bool[Array, "B T"]  # positions that may count (before special-token masking)
+    teacher_topk_ids_BxTxK: Int[Array, "B T K"] | None = None  # teacher's top-K ids (topk kinds)
+    teacher_topk_logprobs_BxTxK: Float[Array, "B T K"] | None = None  # their log-probs under the full softmax
+    teacher_target_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_t(target)
+    teacher_logits_BxTxV: Float[Array, "B T V"] | None = None  # full teacher logits (rkl / fkl / jsd)
+    sampler_logprobs_BxT: Float[Array, "B T"] | None = None  # log q(target) from the rollout engine
+    sampler_full_logprobs_BxTxV: Float[Array, "B T V"] | None = None  # the sampler's log-softmax (exact mismatch)
+    advantages_BxT: Float[Array, "B T"] | None = None  # per-token advantages (RL kinds)
+    token_normalizer: Float[Array, ""] | None = None  # replaces the count of loss tokens as the denominator
+
+    def present(self) -> tuple[str, ...]:
+        """Names of the fields that are set."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+
+    def select(self, names) -> dict[str, jax.Array]:
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossBatch))

@@ -1,0 +1,1 @@
+"""The OPD step and its run: config, batch, teacher scoring, the step, the loop, models, evaluation, checkpoints."""

@@ -1,0 +1,54 @@
+"""The OPD step's batches: the sequence layout of a sampled batch, and the train step's input `TrainBatch`.
+
+Layout: the left-padded prompt [B, P] followed by the response [B, N] gives the student's input
+`tokens_BxS` / `attn_mask_BxS`, S = P + N. Every loss field is response-aligned [B, N, ...]: slot t describes
+response token t, predicted from the hidden state at sequence position P + t - 1 (`transformer.response_hidden`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from jopd.losses import LossBatch
+
+
+class SequenceLayout(NamedTuple):
+    tokens_BxS: Int[Array, "B S"]  # prompt then response
+    attn_mask_BxS: Bool[Array, "B S"]  # real prompt tokens and response tokens before each row's end
+    targets_BxN: Int[Array, "B N"]  # the response tokens (what the N response slots predict)
+    response_mask_BxN: Bool[Array, "B N"]  # slots before each row's length
+
+
+def sequence_layout(prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"], tokens_BxN: Int[Array, "B N"],
+                    lengths_B: Int[Array, "B"]) -> SequenceLayout:
+    N = tokens_BxN.shape[1]
+    response_mask = jnp.arange(N)[None, :] < lengths_B[:, None]
+    return SequenceLayout(
+        tokens_BxS=jnp.concatenate([prompt_BxP, tokens_BxN], axis=1).astype(jnp.int32),
+        attn_mask_BxS=jnp.concatenate([prompt_mask_BxP.astype(bool), response_mask], axis=1),
+        targets_BxN=tokens_BxN.astype(jnp.int32),
+        response_mask_BxN=response_mask,
+    )
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """The train step's input: the student's forward input and the response-aligned loss fields."""
+
+    tokens_BxS: Int[Array, "B S"]
+    attn_mask_BxS: Bool[Array, "B S"]
+    loss: LossBatch  # [B, N, ...] fields, N = the response slots
+
+    @property
+    def n_response(self) -> int:
+        return self.loss.targets_BxT.shape[1]
+
+
+def abstract(tree):
+    """ShapeDtypeStructs (with shardings where the leaves have them) of a pytree of arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

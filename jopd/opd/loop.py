@@ -1,0 +1,168 @@
+"""The OPD loop: sample with the student, score with the teacher, update the student; checkpoint, log, eval.
+
+Every stage is a jitted pure function with explicit shardings; the Python loop only moves batches, and reads
+step n-1's metrics after dispatching step n so the host never stalls the device. Resume is automatic and
+bit-identical: the Grain iterator is checkpointed beside the state, and all randomness of step n is derived
+from (seed, n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jopd.data.pipeline import train_iterator
+from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
+from jopd.opd.evaluate import compare_table, evaluate_heldout
+from jopd.opd.metrics_log import MetricsWriter, plot_curves
+from jopd.opd.model_sources import check_compatible, get_model, precheck_sources, run_tokenizer
+from jopd.opd.run_config import RunConfig, to_yaml
+from jopd.opd.step import OPDStep, build_step, resolve_loss_config
+from jopd.opd.train_state import TrainState
+from jopd.parallel import mesh as meshlib
+from jopd.parallel.distributed import maybe_initialize
+
+CURVES = ["loss", "reward", "divergence", "teacher_kl_k1", "topk_mass", "mismatch_kl", "response_len", "tokens_per_s"]
+
+
+@dataclasses.dataclass
+class OPDRun:
+    """What a run builds once: the step (models' configs, mesh, jitted stages), the teacher, the tokenizer."""
+
+    cfg: RunConfig
+    step: OPDStep
+    teacher_params: Any
+    tokenizer: Any
+
+
+def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
+    """Models (loaded, or the testbed's, trained once and cached), mesh and step; the initial train state."""
+    maybe_initialize()
+    precheck_sources(cfg)  # vocab / template mismatch, missing files: fail before any compute
+    tokenizer = run_tokenizer(cfg)
+    teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, tokenizer)
+    student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
+    check_compatible(student_cfg, teacher_cfg, None, None)
+    log(f"teacher: {t_from}  student: {s_from}")
+    step = build_step(cfg, student_cfg, teacher_cfg, meshlib.make_mesh(cfg.mesh), resolve_loss_config(cfg, tokenizer),
+                      tokenizer)
+    teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
+    return OPDRun(cfg, step, teacher_params, tokenizer), step.init_state(student_params)
+
+
+def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
+    """Held-out evaluation of `params` under the study's fixed `train.eval_seed` -> OUT/eval/NAME.{json,csv}."""
+    cfg = run.cfg
+    eval_sampling = dataclasses.replace(cfg.sampling, max_new_tokens=cfg.train.eval_max_new_tokens,
+                                        return_full_logprobs=False)
+    params = jax.device_get(params) if jax.process_count() == 1 else params
+    teacher = jax.device_get(run.teacher_params) if jax.process_count() == 1 else run.teacher_params
+    res = evaluate_heldout(params, teacher, s_cfg=run.step.student_cfg, t_cfg=run.step.teacher_cfg,
+                           tokenizer=run.tokenizer, data_cfg=cfg.data, sampling=eval_sampling,
+                           seed=cfg.train.eval_seed, max_problems=cfg.train.eval_problems, desc=f"eval {name}")
+    return res.save(out_dir / "eval", name)
+
+
+def train(cfg: RunConfig, log=print) -> dict[str, Any]:
+    out_dir = Path(cfg.train.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    run, state = build(cfg, log)
+    opd = run.step
+    ckpt_cfg = dataclasses.replace(cfg.checkpoint, dir=cfg.checkpoint.dir or str(out_dir / "checkpoints"))
+    ckpt = Checkpointer(ckpt_cfg)
+    data_it = train_iterator(cfg.data, run.tokenizer, kind="prompt")
+    restored = ckpt.restore_latest(opd.abstract_state(), data_it)
+    start = 0
+    if restored is not None:
+        state, data_it, start = restored.state, restored.iterator, int(restored.step)
+        log(f"resumed from {ckpt_cfg.dir} at step {start}")
+    is_main = jax.process_index() == 0
+    writer = MetricsWriter(str(out_dir), enabled=is_main)
+    before_path = out_dir / "eval" / "before.json"
+    if before_path.exists():
+        before = json.loads(before_path.read_text())
+    else:
+        before = run_eval(run, state.params, "before", out_dir)
+    writer.write(start, before, prefix="eval/")
+
+    pending: tuple | None = None
+    bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps, desc="OPD", dynamic_ncols=True,
+               disable=not is_main)
+    t_last = time.perf_counter()
+
+    rollouts = open(out_dir / "rollouts.jsonl", "a", buffering=1) if is_main else None
+
+    def flush(pending):
+        step, metrics, t0, rollout = pending
+        out, batch, reward = rollout.sample, rollout.host_batch, rollout.rewards_B
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if reward is not None:
+            m["reward"] = float(np.mean(jax.device_get(reward)))
+        lengths = np.asarray(jax.device_get(out.lengths_B))
+        if rollouts is not None:
+            tokens = np.asarray(jax.device_get(out.tokens_BxN))
+            texts = [run.tokenizer.decode(tokens[b, :lengths[b]]) for b in range(min(cfg.train.log_rollouts, len(tokens)))]
+            rollouts.write(json.dumps({"step": step, "index": batch["index"].tolist(), "lengths": lengths.tolist(),
+                                       "examples": [{"question": str(q), "response": r} for q, r in
+                                                    zip(batch["question"], texts)]}) + "\n")
+        dt = time.perf_counter() - t0
+        m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
+              "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            writer.write(step, m)
+        bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('teacher_kl_k1', float('nan')):.3f}")
+
+    step = start
+    with PreemptionGuard() as guard:
+        for step in bar:
+            batch = next(data_it)
+            with jax.set_mesh(opd.mesh):  # activations' batch constraints (transformer.constrain_batch)
+                state, metrics, rollout = opd(state, run.teacher_params, batch, step)
+            # the [B,N,V] sampler log-softmax (mismatch=exact) is freed now, not held through the next rollout
+            rollout = rollout._replace(sample=rollout.sample._replace(full_logprobs_BxNxV=None))
+            if pending is not None:
+                flush(pending)  # previous step's metrics: read while this step runs
+            pending = (step + 1, metrics, t_last, rollout)
+            t_last = time.perf_counter()
+            done = step + 1
+            stop = guard.should_stop(done)
+            if ckpt.should_save(done) or stop or done == cfg.train.steps:
+                ckpt.save(done, state, data_it, metadata={"step": done}, force=stop or done == cfg.train.steps)
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
+                writer.write(done, run_eval(run, state.params, f"step_{done}", out_dir), prefix="eval/")
+            if stop:
+                log(f"preemption requested: saved step {done}, exiting")
+                break
+        if pending is not None:
+            flush(pending)
+    ckpt.wait()
+    if rollouts is not None:
+        rollouts.close()
+    final_step = int(jax.device_get(state.step))
+    summary: dict[str, Any] = {"steps": final_step, "before": before}
+    if final_step >= cfg.train.steps:
+        after = run_eval(run, state.params, "after", out_dir)
+        writer.write(final_step, after, prefix="eval/")
+        summary["after"] = after
+        if is_main:
+            log(compare_table(before, after))
+    writer.close()
+    ckpt.close()
+    if is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if (out_dir / "metrics.jsonl").exists():
+            try:
+                summary["plot"] = plot_curves(str(out_dir / "metrics.jsonl"), str(out_dir / "curves.png"), CURVES,
+                                              title=f"OPD ({cfg.loss.kind}) — {out_dir.name}")
+            except ValueError:
+                pass
+    summary["state"] = state
+    return summary

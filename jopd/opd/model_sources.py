@@ -1,0 +1,76 @@
+"""Getting the run's teacher, student and tokenizer: load checkpoints, or the CPU-testbed models
+(`warm_start`: trained by SFT once, then cached). Mismatched teacher/student vocabularies or chat templates are
+rejected here, before any compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jopd.data.toy_tokenizer import build_toy_tokenizer
+from jopd.models import io
+from jopd.models.config import ModelConfig
+from jopd.models.dtypes import DTYPES
+from jopd.opd import warm_start
+from jopd.opd.run_config import ModelSource, RunConfig
+
+
+def run_tokenizer(cfg: RunConfig):
+    """The tokenizer both models share: the teacher's checkpoint's, else the student's, else the toy one."""
+    for src in (cfg.teacher, cfg.student):
+        if src.path is not None:
+            return io.load_tokenizer(src.path)
+    return build_toy_tokenizer()
+
+
+def testbed_model_config(src: ModelSource, tokenizer) -> ModelConfig:
+    a = src.arch
+    return ModelConfig(
+        family=a.family, vocab_size=len(tokenizer), hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tie_word_embeddings=a.tie_word_embeddings,
+        qkv_bias=a.family == "qwen2", qk_norm=a.family == "qwen3",
+        max_position_embeddings=a.max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer) -> tuple[ModelConfig, Any, str]:
+    """(model config, params, where it came from) for `role` in {teacher, student}."""
+    dtype = DTYPES[src.dtype]
+    if src.path is not None:
+        model_cfg, params = io.load_params(src.path, dtype=dtype, num_layers=src.num_layers)
+        cut = f" (first {src.num_layers} layers)" if src.num_layers else ""
+        return model_cfg, params, f"{io.resolve_model_path(src.path)}{cut}"
+    return warm_start.testbed_model(role, src, cfg, testbed_model_config(src, tokenizer), tokenizer)
+
+
+def precheck_sources(cfg: RunConfig) -> None:
+    """Cheap checks on configs/metadata only (no weights read): files exist, vocabularies agree."""
+    cfgs = {}
+    for role, src in (("teacher", cfg.teacher), ("student", cfg.student)):
+        if src.path is not None:
+            if not io.resolve_model_path(src.path).exists():
+                raise FileNotFoundError(f"RunConfig.{role}.path: {src.path} does not exist")
+            try:
+                cfgs[role] = io.open_checkpoint(src.path, src.num_layers)[0]
+            except ValueError as e:
+                raise ValueError(f"RunConfig.{role}: {e}") from None
+        elif src.num_layers is not None:
+            raise ValueError(f"RunConfig.{role}.num_layers: only applies to a checkpoint `path` (the testbed "
+                             f"recipe sets its size in `arch`)")
+    if len(cfgs) == 2:
+        check_compatible(cfgs["student"], cfgs["teacher"], None, None)
+        check_compatible(cfgs["student"], cfgs["teacher"], io.load_tokenizer(cfg.student.path),
+                         io.load_tokenizer(cfg.teacher.path))
+
+
+def check_compatible(student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_tok, teacher_tok) -> None:
+    """Distillation compares distributions token by token: the two models must share the vocabulary."""
+    if student_cfg.vocab_size != teacher_cfg.vocab_size:
+        raise ValueError(f"teacher/student vocab mismatch: teacher vocab_size={teacher_cfg.vocab_size}, "
+                         f"student vocab_size={student_cfg.vocab_size}")
+    if student_tok is not None and teacher_tok is not None:
+        if student_tok.get_vocab() != teacher_tok.get_vocab():
+            raise ValueError("teacher/student tokenizer mismatch: same size but different token ids")
+        if (student_tok.chat_template or "") != (teacher_tok.chat_template or ""):
+            raise ValueError("teacher/student chat_template mismatch: prompts would be formatted differently")

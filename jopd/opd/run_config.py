@@ -1,0 +1,148 @@
+"""Run config: the components' own configs composed into one, loaded from YAML with `key=value` overrides.
+
+Validation is strict (unknown key or wrong type -> one line naming it, e.g. `RunConfig.loss.top_k: Input
+should be greater than or equal to 1`), and happens before any model is loaded or any compute starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+import pydantic
+import yaml
+
+from jopd.opd.checkpoint import CheckpointConfig
+from jopd.config_dataclass import ConfigError, build, config_dataclass
+from jopd.data.pipeline import DataConfig
+from jopd.losses import LossConfig
+from jopd.parallel.mesh import MeshConfig
+from jopd.opd.optim import OptimConfig
+from jopd.sampling.precision import PrecisionConfig
+from jopd.rl import RLConfig
+from jopd.sampling.sampler import SamplingConfig
+
+
+@config_dataclass
+class ArchConfig:
+    """Architecture of a built-in testbed model (trained from scratch by SFT; the tokenizer sets the vocab)."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    hidden_size: int = pydantic.Field(64, ge=8)
+    intermediate_size: int = pydantic.Field(192, ge=8)
+    num_layers: int = pydantic.Field(2, ge=1)
+    num_heads: int = pydantic.Field(2, ge=1)
+    num_kv_heads: int = pydantic.Field(1, ge=1)
+    head_dim: int = pydantic.Field(32, ge=2)
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = pydantic.Field(256, ge=8)
+
+
+@config_dataclass
+class WarmStartConfig:
+    """SFT on worked solutions that makes a testbed model from scratch (cached by content hash)."""
+
+    steps: int = pydantic.Field(300, ge=0)
+    batch_size: int = pydantic.Field(64, ge=1)
+    learning_rate: float = pydantic.Field(3e-3, gt=0)
+    warmup_steps: int = pydantic.Field(30, ge=0)
+    seed: int = 0
+
+
+@config_dataclass
+class ModelSource:
+    """Where a model comes from: a checkpoint path (HF dir or .gguf), or the built-in testbed recipe."""
+
+    # HF dir / .gguf, or a built-in model name (`smollm2-135m-instruct`); None -> build `arch` by SFT
+    # (`warm_start`) and cache it
+    path: str | None = None
+    # Keep only the first N decoder layers of `path` (a truncated copy of a larger model as the student)
+    num_layers: int | None = pydantic.Field(None, ge=1)
+    arch: ArchConfig = ArchConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer
+
+
+@config_dataclass
+class TrainConfig:
+    steps: int = pydantic.Field(100, ge=0)  # OPD updates
+    seed: int = 0
+    out_dir: str = "runs/testbed"  # metrics.jsonl, TensorBoard, checkpoints, eval JSON/CSV and PNGs
+    log_every: int = pydantic.Field(1, ge=1)
+    eval_every: int = pydantic.Field(0, ge=0)  # held-out eval every N steps (0: before and after only)
+    eval_problems: int = pydantic.Field(530, ge=1)  # held-out problems per eval (<= the held-out split)
+    eval_max_new_tokens: int = pydantic.Field(48, ge=1)
+    # Sampling seed of the held-out eval, independent of `seed`: every run of a study (all setups, all training
+    # seeds) answers each problem with the same random draws, so per-problem comparisons pair like with like.
+    eval_seed: int = 99991
+    mismatch: Literal["exact", "estimators"] = "exact"  # exact full-vocab KL needs [B,N,V] sampler logprobs
+    is_logprobs: Literal["unprocessed", "processed"] = "unprocessed"  # sampler logprobs used for IS weights
+    # Mask positions whose target is a special/chat-template token of the tokenizer (EOS excepted, so the
+    # student still learns when to stop); an explicit loss.special_token_ids list takes precedence.
+    mask_special_tokens: bool = True
+    log_rollouts: int = pydantic.Field(2, ge=0)  # responses decoded into rollouts.jsonl per step (ids always)
+    cache_dir: str | None = None  # testbed model cache; None -> $JOPD_CACHE or ~/.cache/jopd
+    # Recompute each layer's activations in the backward pass (jax.checkpoint per scanned layer): ~1/3 more
+    # train-step compute for a fraction of the activation memory; needed at real scale (see `jopd aot`).
+    remat: bool = False
+
+
+@config_dataclass
+class RunConfig:
+    student: ModelSource = ModelSource()
+    teacher: ModelSource = ModelSource()
+    data: DataConfig = DataConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rollout_precision: PrecisionConfig = PrecisionConfig()
+    loss: LossConfig = LossConfig()
+    rl: RLConfig = RLConfig()  # used by the RL baselines (loss.kind reinforce / grpo)
+    optim: OptimConfig = OptimConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def _parse_value(text: str) -> Any:
+    """`key=value` values are YAML scalars/lists (`1e-3`, `true`, `[1, 2]`, `null`)."""
+    return yaml.safe_load(text)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. loss.top_k=16)")
+        key, value = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {p!r} is not a section")
+            node[p] = child = dict(child)
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: config file not found")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    data = apply_overrides(data, list(overrides))
+    return build(RunConfig, data, where="RunConfig")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)

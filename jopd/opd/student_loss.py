@@ -1,0 +1,45 @@
+"""The student's side of the train step: `loss_fn(params, batch) -> (loss, metrics)` for `train_state`.
+
+Both read the student's final hidden states from the one `transformer.forward` and hand them to
+`losses.token_loss`, which projects to logits chunk by chunk (no full [B, T, V] kept).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from jopd.losses import LossBatch, LossConfig, token_loss
+from jopd.models import transformer
+from jopd.models.config import ModelConfig
+from jopd.opd.batch import TrainBatch
+
+
+def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.float32, remat: bool = False):
+    """OPD / RL objective on a `TrainBatch` (prompt + response, response-aligned loss fields). Only the N
+    positions that predict response tokens are projected to logits. `remat`: recompute each layer in the
+    backward pass (see `transformer.forward`)."""
+
+    def loss_fn(params, batch: TrainBatch):
+        hidden, _ = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg, attn_mask_BxT=batch.attn_mask_BxS,
+                                        dtype=dtype, return_hidden=True, remat=remat)
+        S, N = batch.tokens_BxS.shape[1], batch.n_response
+        return token_loss(loss_cfg, params, model_cfg, hidden[:, S - N - 1:S - 1], batch.loss, dtype=dtype)
+
+    return loss_fn
+
+
+def sft_loss_fn(model_cfg: ModelConfig, dtype=jnp.float32, remat: bool = False):
+    """Cross-entropy on the response of SFT batches (`tokens`, `attn_mask`, `loss_mask`, all [B, S], from
+    `data.pipeline`'s sft kind)."""
+    loss_cfg = LossConfig(kind="sft")
+
+    def loss_fn(params, batch: Mapping[str, jax.Array]):
+        hidden, _ = transformer.forward(params, batch["tokens"], cfg=model_cfg, attn_mask_BxT=batch["attn_mask"],
+                                        dtype=dtype, return_hidden=True, remat=remat)
+        lb = LossBatch(targets_BxT=batch["tokens"][:, 1:], response_mask_BxT=batch["loss_mask"][:, 1:].astype(bool))
+        return token_loss(loss_cfg, params, model_cfg, hidden[:, :-1], lb, dtype=dtype)
+
+    return loss_fn

@@ -1,0 +1,101 @@
+"""Train state and the pure update step `train_step(state, batch) -> (state, metrics)`.
+
+The step is generic in the objective: `loss_fn(params, microbatch) -> (loss, metrics)`. Gradient accumulation
+scans over micro-batches inside the step, so one jitted call = one optimizer update whatever the accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+Params = Any
+Batch = Any  # a pytree of arrays (e.g. `opd.batch.TrainBatch`)
+LossFn = Callable[[Params, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Params
+    opt_state: optax.OptState
+    rng: jax.Array  # typed PRNG key; split per step for sampling / noise
+
+
+def _replicated(params: Params) -> jax.sharding.NamedSharding | None:
+    leaves = jax.tree.leaves(params)
+    sh = getattr(leaves[0], "sharding", None) if leaves else None
+    if not isinstance(sh, jax.sharding.NamedSharding):
+        return None
+    return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params):
+    """Shardings of the optimizer state: params-shaped leaves (Adam moments) take their param's sharding,
+    the rest (counters) are replicated. None if the params are not on a mesh."""
+    replicated = _replicated(params)
+    if replicated is None:
+        return None
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    abstract = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, param_sh,
+                                 transform_non_params=lambda _: replicated)
+
+
+def new_train_state(params: Params, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    """The state before the first update (pure: jit it with the state's out_shardings to place it)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=rng)
+
+
+def init_train_state(params: Params, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    """`new_train_state` for already placed params: the moments take their param's sharding, scalars are
+    replicated. Explicit out_shardings: zeros_like() does not depend on its input's values, so XLA would not
+    propagate the params' layout to the moments on its own (they would land whole on one device)."""
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params))(params)
+    step = jnp.zeros((), jnp.int32)
+    replicated = _replicated(params)
+    if replicated is not None:  # scalars live on the same mesh, replicated, so one jit sees one device set
+        step, rng = jax.device_put((step, rng), replicated)
+    return TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
+
+
+def _split_microbatches(batch: Batch, n: int) -> Batch:
+    def split(x):
+        if x.shape[0] % n:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by grad_accum_steps={n}")
+        return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
+                    grad_accum_steps: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """Builds the pure step. Metrics are averaged over micro-batches; `grad_norm` is of the mean gradient."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch: Batch):
+        if grad_accum_steps == 1:
+            (loss, metrics), grads = grad_fn(state.params, batch)
+        else:
+            micro = _split_microbatches(batch, grad_accum_steps)
+
+            def accumulate(acc, mb):
+                (loss, metrics), grads = grad_fn(state.params, mb)
+                return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, first))
+            zeros = (zeros[0][0], zeros[0][1], zeros[1])
+            (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            inv = 1.0 / grad_accum_steps
+            loss, metrics, grads = jax.tree.map(lambda x: x * inv, (loss, metrics, grads))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                       update_norm=optax.tree.norm(updates))
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return step

@@ -1,0 +1,83 @@
+"""The CPU testbed's models: trained from scratch by SFT on worked solutions, then cached.
+
+A testbed model (`ModelSource.path: null`) is cached under `<cache>/testbed-<role>-<hash>` as an HF directory
+(the hash covers everything that changes the result), so the second run starts in seconds; the cache entry is
+written atomically, so a killed run never leaves half of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm.auto import tqdm
+
+from jopd.data.pipeline import DataConfig, train_iterator
+from jopd.models import io, transformer
+from jopd.models.config import ModelConfig
+from jopd.models.dtypes import DTYPES
+from jopd.opd.optim import OptimConfig, make_optimizer
+from jopd.opd.run_config import ModelSource, RunConfig, WarmStartConfig
+from jopd.opd.student_loss import sft_loss_fn
+from jopd.opd.train_state import init_train_state, make_train_step
+
+_FORMAT_VERSION = 1  # bump when the testbed recipe changes in a way the hash does not see
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    return Path(cfg.train.cache_dir or os.environ.get("JOPD_CACHE") or Path.home() / ".cache" / "jopd")
+
+
+def run_sft(model_cfg: ModelConfig, params, data_cfg: DataConfig, tokenizer, warm: WarmStartConfig,
+            desc: str = "sft", dtype=DTYPES["fp32"]):
+    """Plain SFT (cross-entropy on the worked solution) with the generic train step; returns the params."""
+    data_cfg = dataclasses.replace(data_cfg, batch_size=warm.batch_size, seed=warm.seed)
+    it = train_iterator(data_cfg, tokenizer, kind="sft")
+    opt = make_optimizer(OptimConfig(learning_rate=warm.learning_rate, warmup_steps=warm.warmup_steps,
+                                     weight_decay=0.0), warm.steps)
+    state = init_train_state(params, opt, jax.random.key(warm.seed))
+    step = jax.jit(make_train_step(sft_loss_fn(model_cfg, dtype), opt), donate_argnums=0)
+    bar = tqdm(range(warm.steps), desc=desc, dynamic_ncols=True)
+    pending = None
+    for i in bar:
+        b = next(it)
+        state, metrics = step(state, {k: b[k] for k in ("tokens", "attn_mask", "loss_mask")})
+        if pending is not None and (i % 10 == 0 or i == warm.steps - 1):
+            bar.set_postfix(loss=f"{float(pending['loss']):.3f}")  # previous step's: never stalls dispatch
+        pending = metrics
+    return state.params
+
+
+def testbed_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str:
+    blob = json.dumps({
+        "v": _FORMAT_VERSION, "role": role, "arch": dataclasses.asdict(src.arch),
+        "warm": dataclasses.asdict(src.warm_start), "dtype": src.dtype,
+        "task": dataclasses.asdict(data_cfg.arithmetic) if data_cfg.task == "arithmetic" else
+        [data_cfg.train_path], "lens": [data_cfg.max_prompt_len, data_cfg.max_response_len],
+        "system": data_cfg.system_prompt, "vocab": sorted(tokenizer.get_vocab().items()),
+        "template": tokenizer.chat_template,
+    }, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def testbed_model(role: str, src: ModelSource, cfg: RunConfig, model_cfg: ModelConfig, tokenizer
+                  ) -> tuple[ModelConfig, Any, str]:
+    """(model config, params, where from): the cached entry, or SFT from scratch now (then cached)."""
+    dtype = DTYPES[src.dtype]
+    model_dir = cache_root(cfg) / f"testbed-{role}-{testbed_key(role, src, cfg.data, tokenizer)}"
+    if (model_dir / "config.json").is_file():
+        model_cfg, params = io.load_params(model_dir, dtype=dtype)
+        return model_cfg, params, f"{model_dir} (cached)"
+    params = transformer.init_params(model_cfg, jax.random.key(src.warm_start.seed), dtype)
+    params = run_sft(model_cfg, params, cfg.data, tokenizer, src.warm_start, desc=f"SFT {role}", dtype=dtype)
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    io.save_hf(jax.device_get(params), model_cfg, tmp, tokenizer=tokenizer)
+    os.replace(tmp, model_dir)  # atomic: a killed run never leaves a half-written cache entry
+    return model_cfg, params, f"{model_dir} (trained now)"

@@ -1,0 +1,1 @@
+"""Device meshes, logical-axis shardings and multi-process runs."""

@@ -1,0 +1,1 @@
+"""The rollout engine: the KV-cache sampler and its numerics (precision, quantization, noise)."""

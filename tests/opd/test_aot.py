@@ -1,0 +1,221 @@
+"""`jopd aot`: the AOT machinery on the 8 host CPU devices (the code path a TPU topology takes, with other
+devices), the real architectures' configs, and, when libtpu is installed, a real TPU topology."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jopd.opd import aot
+from jopd.cli import main
+from jopd.opd.run_config import ModelSource, load_config
+from jopd.models import io
+
+ROOT = Path(__file__).resolve().parents[2]
+# Tiny testbed models (toy vocabulary), small step: every stage of the trainer, compiled in seconds.
+TINY = ["data.batch_size=8", "data.max_prompt_len=16", "sampling.max_new_tokens=8", "loss.top_k=8",
+        "student.arch.num_layers=1", "teacher.arch.num_layers=1"]
+
+
+def tiny_cfg(*overrides):
+    return load_config(None, [*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def fsdp8():
+    return aot.compile_opd_step(tiny_cfg("mesh.data=1", "mesh.fsdp=8"), progress=False)
+
+
+def test_every_stage_compiles_from_abstract_inputs(fsdp8):
+    assert [s.name for s in fsdp8.stages] == list(aot.STAGES)
+    assert fsdp8.num_devices == 8 and fsdp8.mesh == {"data": 1, "fsdp": 8, "tensor": 1}
+    for s in fsdp8.stages:
+        m = s.memory
+        assert s.error is None and m is not None
+        assert m.argument > 0 and m.output > 0 and min(m.alias, m.temp, m.generated_code) >= 0
+        assert m.total == m.argument + m.output - m.alias + m.temp + m.generated_code
+        assert s.peak == m.total + sum(s.resident.values())
+    d = json.loads(fsdp8.to_json())
+    assert set(d["stages"][0]["memory"]) == {"argument", "output", "alias", "temp", "generated_code", "total"}
+    assert fsdp8.hbm_per_device is None and d["fits"] is True  # CPU: HBM unknown, nothing to exceed
+    tight = dataclasses.replace(fsdp8, hbm_per_device=1024)  # the same programs against a 1 KiB budget
+    assert json.loads(tight.to_json())["fits"] is False and len(tight.failures()) == len(aot.STAGES)
+    table = fsdp8.table()
+    assert all(name in table for name in aot.STAGES) and "argument" in table
+
+
+def test_compiled_sizes_match_shapes_and_shardings(fsdp8):
+    """XLA's per-device sizes against bytes computed independently from shapes and shardings."""
+    from jopd.parallel import mesh as meshlib
+    from jopd.models import transformer
+
+    cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8")
+    model = aot.model_config_of(cfg.student, "student")
+    mesh = meshlib.make_mesh(cfg.mesh)
+    shapes = transformer.abstract_params(model)
+    train_bytes = meshlib.sharded_bytes_per_device(shapes, meshlib.param_shardings(model, mesh, meshlib.TRAIN_RULES))
+    sample_bytes = meshlib.sharded_bytes_per_device(shapes, meshlib.param_shardings(model, mesh, meshlib.SAMPLE_RULES))
+    assert sample_bytes == sum(x.size * 4 for x in jax.tree.leaves(shapes))  # sampling: replicated over fsdp
+    stage = {s.name: s.memory for s in fsdp8.stages}
+    b = fsdp8.buffers
+    assert 3 * train_bytes < b["train_state"] <= 3 * train_bytes + 64  # params, Adam mu and nu; a few scalars
+    assert b["sampler_params"] == sample_bytes
+    assert stage["weight_sync"].argument == train_bytes  # the trainer params (jit drops the unused noise key)
+    n_leaves = len(jax.tree.leaves(shapes))
+    assert sample_bytes <= stage["weight_sync"].output <= sample_bytes + 8 * n_leaves  # + the output tuple's table
+    assert stage["train_step"].alias == b["train_state"]  # the donated state is updated in place
+
+
+def test_fsdp_splits_the_per_device_memory(fsdp8):
+    data8 = aot.compile_opd_step(tiny_cfg("mesh.data=8", "mesh.fsdp=1"), stages=["train_step"], progress=False)
+    m1, m8 = data8.stages[0].memory, next(s.memory for s in fsdp8.stages if s.name == "train_step")
+    assert data8.buffers["train_state"] > 7 * fsdp8.buffers["train_state"]  # params + moments split 8 ways
+    assert m8.argument < m1.argument and m8.total < m1.total
+
+
+def test_hbm_check_names_the_stage(fsdp8):
+    aot.check_fits(fsdp8)  # unknown HBM: no check
+    small = dataclasses.replace(fsdp8, hbm_per_device=next(s.peak for s in fsdp8.stages if s.name == "sample"))
+    with pytest.raises(ValueError, match=r"stage (teacher_scoring|train_step|weight_sync): needs .* GiB HBM"):
+        aot.check_fits(small)
+    assert "sample: needs" not in "; ".join(small.failures())  # exactly at the budget fits
+
+
+def test_compiler_refusal_is_a_failed_stage():
+    class Refuses:
+        def compile(self):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                               "temporaries (211.12G) exceeds available HBM (15.75G).")
+
+    compiled, _, error = aot._compile("train_step", lambda: Refuses())
+    assert compiled is None and "211.12G" in error
+
+    class Broken:
+        def compile(self):
+            raise RuntimeError("INVALID_ARGUMENT: something else")
+
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+        aot._compile("train_step", lambda: Broken())
+
+
+# Published sizes: Llama 3.1 8B and 3.2 1B exactly; Qwen3 model cards give total and non-embedding counts.
+ARCHS = {
+    "llama-3.1-8b-instruct": (8_030_261_248, None),
+    "llama-3.2-1b-instruct": (1_235_814_400, None),
+    "qwen3-8b": (8.2e9, 6.95e9),
+    "qwen3-1.7b": (1.7e9, 1.4e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_real_architectures_from_config_json_alone(name):
+    cfg = aot.model_config_of(ModelSource(path=str(ROOT / "configs" / "arch" / name)), "student")
+    total, non_embedding = ARCHS[name]
+    n = aot.param_count(cfg)
+    if non_embedding is None:
+        assert n == total
+    else:
+        embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        assert round(n / 1e9, 1) == round(total / 1e9, 1)
+        assert round((n - embeddings) / 1e9, 2 if name == "qwen3-8b" else 1) == non_embedding / 1e9
+
+
+def test_missing_model_path_names_the_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"RunConfig\.teacher\.path: .*nope does not exist"):
+        aot.model_config_of(ModelSource(path=str(tmp_path / "nope")), "teacher")
+
+
+def test_real_configs_validate():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(str(path))
+        for src in (cfg.student, cfg.teacher):
+            if src.path is not None and src.path.startswith("configs/arch/"):
+                assert (ROOT / src.path / "config.json").is_file(), path
+            elif src.path is not None:  # a built-in model name (e.g. smollm2-135m-instruct)
+                assert io.resolve_model_path(src.path).is_file(), path
+
+
+def test_cli_report_json_and_hbm_failure(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("mesh:\n  data: 2\n  fsdp: 4\n")
+    out = tmp_path / "report.json"
+    assert main(["aot", str(cfg), *TINY, "--stages", "weight_sync", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert [s["name"] for s in report["stages"]] == ["weight_sync"] and report["stages"][0]["memory"]["total"] > 0
+    assert "weight_sync" in capsys.readouterr().out
+    assert main(["aot", str(cfg), *TINY, "--stages", "weight_sync", "--hbm-gib", "1e-6"]) == 2
+    assert "does not fit: stage weight_sync: needs" in capsys.readouterr().err
+    assert main(["aot", str(cfg), *TINY, "--stages", "nope"]) == 2
+    assert "stages: unknown ['nope']" in capsys.readouterr().err
+
+
+def test_remat_and_batch_constraint_keep_the_gradient():
+    """forward(remat=True) and the mesh-context batch constraint change memory, never values."""
+    from jopd.parallel import mesh as meshlib
+    from jopd.models import transformer
+    from jopd.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    rng = np.random.default_rng(0)  # numpy init: no PRNG program to compile
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.2, s.shape), jnp.float32),
+                          transformer.abstract_params(cfg))
+    tokens = jnp.asarray(rng.integers(0, 64, (8, 12)), jnp.int32)
+
+    def loss(p, remat):
+        logits, _ = transformer.forward(p, tokens, cfg=cfg, remat=remat)
+        return jnp.mean(jax.nn.logsumexp(logits, -1))
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    g_ref = grad(params, False)
+    mesh = meshlib.make_mesh(meshlib.MeshConfig(data=2, fsdp=4))
+    with jax.set_mesh(mesh):  # a new trace, with the batch constraint applied
+        g_new = grad(params, True)
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_new)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    # The constraint is in the program only under a mesh: the embedding output and the scanned layer's output,
+    # batch over (data, fsdp), the other dims left to XLA ({?}).
+    fwd = jax.jit(lambda p: transformer.forward(p, tokens, cfg=cfg)[0])
+    assert "sharding_constraint" not in fwd.lower(params).as_text()
+    with jax.set_mesh(mesh):
+        constraints = [ln for ln in fwd.lower(params).as_text().splitlines() if "sharding_constraint" in ln]
+    assert len(constraints) == 2 and all('[{"data", "fsdp"}, {?}, {?}]' in ln for ln in constraints)
+
+
+def test_tpu_topology():
+    """The same machinery on a real TPU topology (libtpu describes v5e chips; nothing runs on them)."""
+    pytest.importorskip("libtpu")
+    with pytest.raises(ValueError, match="--topology v9z:1x1: not a TPU topology"):
+        aot.topology_devices("v9z:1x1")
+    devices = aot.topology_devices("v5e:2x2")
+    assert len(devices) == 4 and devices[0].device_kind == "TPU v5 lite"
+    assert aot.hbm_bytes_per_device(devices) == 16 * aot.GiB
+    report = aot.compile_opd_step(tiny_cfg("mesh.data=1", "mesh.fsdp=4"), devices, target="v5e:2x2",
+                                  stages=["weight_sync", "train_step"], progress=False)
+    assert report.hbm_per_device == 16 * aot.GiB and not report.failures()
+    train = report.stages[1].memory
+    # TPU pads small arrays to its (8, 128) tiles: the donated state takes at least its raw bytes.
+    assert train.generated_code > 0 and train.alias >= report.buffers["train_state"]
+    assert math.isclose(report.buffers["train_state"] * 4, aot.compile_opd_step(
+        tiny_cfg("mesh.data=4", "mesh.fsdp=1"), devices, stages=["weight_sync"], progress=False
+    ).buffers["train_state"], rel_tol=0.01)
+
+
+def test_rl_baselines_lower_with_grouped_rows_and_advantages():
+    """GRPO: every prompt sampled rl.group_size times; the loss reads per-token advantages (lowering only)."""
+    from jopd.parallel import mesh as meshlib
+
+    cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8", "loss.kind=grpo", "rl.group_size=2")
+    s_cfg = aot.model_config_of(cfg.student, "student")
+    programs, buffers = aot.stage_programs(cfg, s_cfg, s_cfg, meshlib.make_mesh(cfg.mesh))
+    with jax.set_mesh(meshlib.make_mesh(cfg.mesh)):
+        lowered = programs["train_step"][0]()
+    batch = lowered.args_info[0][1]  # (args, kwargs): args = (state, batch)
+    assert batch.loss.advantages_BxT.shape == (16, 8) and batch.tokens_BxS.shape == (16, 24)
+    assert buffers["kv_cache"] > 0

@@ -1,0 +1,54 @@
+"""glibc malloc tuning for XLA:CPU (`jopd.runtime.host_malloc`): when it applies, and that it removes the page faults of
+re-allocating a large buffer on every execution."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from jopd.runtime.host_malloc import should_tune
+
+# A fresh process per setting (mallopt and XLA's threads are per process): one 64 MiB output per call.
+PROBE = """
+import json, resource, sys
+from jopd.runtime.host_malloc import tune_glibc_malloc
+applied = tune_glibc_malloc()
+import jax, jax.numpy as jnp
+x = jnp.ones((4096, 4096), jnp.float32)
+f = jax.jit(lambda x: x * 2.0)
+for _ in range(15):  # the heap grows to its steady state (fragments of aligned blocks get merged)
+    f(x).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    f(x).block_until_ready()
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+print(json.dumps({"applied": applied, "faults_per_call": faults}))
+"""
+
+
+def _probe(setting: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "JOPD_HOST_MALLOC"} | {"JAX_PLATFORMS": "cpu"}
+    if setting is not None:
+        env["JOPD_HOST_MALLOC"] = setting
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_should_tune_only_when_asked_and_on_glibc():
+    assert should_tune("1", "glibc")
+    assert not should_tune(None, "glibc")
+    assert not should_tune("0", "glibc")
+    assert not should_tune("1", "musl")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+def test_tuned_malloc_reuses_large_buffers_instead_of_faulting_them_in():
+    plain, tuned = _probe(None), _probe("1")  # default: off
+    pages = 4096 * 4096 * 4 // 4096  # one fresh 64 MiB output: 16384 pages
+    assert not plain["applied"] and tuned["applied"]
+    assert plain["faults_per_call"] > pages / 2  # glibc mmaps each output anew
+    assert tuned["faults_per_call"] < pages / 20
