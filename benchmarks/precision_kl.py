@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jopd.data.chat import user_prompt_ids  # noqa: E402
 from jopd.lab.mismatch import exact_kl_BxT, mismatch_estimators, trainer_response_logits  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.models import transformer as T  # noqa: E402
@@ -44,8 +45,7 @@ def main() -> None:
     path = io.smollm2_gguf_path()
     cfg, params = io.load_params(path)
     tok = io.load_tokenizer(path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
+    prompts = [user_prompt_ids(tok, p) for p in PROMPTS]
     n = args.new_tokens
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=n, return_full_logprobs=True)
     trainer = jax.jit(lambda p, t, m: T.forward(p, t, cfg=cfg, attn_mask_BxT=m)[0])

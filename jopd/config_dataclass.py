@@ -8,9 +8,11 @@ config next to its code with `@config_dataclass`; `jopd.opd.run_config` composes
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, TypeVar
 
 import pydantic
+import yaml
 
 T = TypeVar("T")
 
@@ -45,3 +47,18 @@ def build(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def read_yaml_mapping(path: str) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (a config file); a missing file, bad YAML or another top level
+    is one line naming the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: config file not found")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data

@@ -53,8 +53,8 @@ def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Ar
     return jnp.stack([logits[i, len(p) - 1:len(p) - 1 + n] for i, p in enumerate(prompts)])
 
 
-def position_mismatch(params, model_cfg: ModelConfig, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"],
-                      sample: SampleOutput, *, temperature: float, chunk: int = 128) -> dict[str, jax.Array]:
+def position_mismatch(params, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"], sample: SampleOutput,
+                      *, model_cfg: ModelConfig, temperature: float, chunk: int = 128) -> dict[str, jax.Array]:
     """Per response position, the trainer's view of a rollout: exact KL(sampler ‖ trainer) over the full
     vocabulary (needs the sampler's full log-softmax, `SamplingConfig.return_full_logprobs`) and the trainer's
     log-prob of the sampled token, from the trainer's forward over prompt + response (projected chunk by chunk).

@@ -14,7 +14,7 @@ import pydantic
 import yaml
 
 from jopd.opd.checkpoint import CheckpointConfig
-from jopd.config_dataclass import ConfigError, build, config_dataclass
+from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yaml_mapping
 from jopd.data.pipeline import DataConfig
 from jopd.losses import LossConfig
 from jopd.parallel.mesh import MeshConfig
@@ -129,17 +129,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: config file not found")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    data = read_yaml_mapping(path) if path is not None else {}
     data = apply_overrides(data, list(overrides))
     return build(RunConfig, data, where="RunConfig")
 

@@ -1,0 +1,64 @@
+"""Run a grid of rollout setups x training seeds as full OPD runs, then the quality rule, the bracket and the screen.
+
+    jopd sweep SWEEP.yaml [--analyze-only] [--no-screen]
+
+Each (setup, seed) trains as `jopd train` would, in OUT/<setup>/seed<k>/ (format: jopd/lab/sweep_config.py).
+Resumable: finished runs are skipped and an interrupted one resumes from its checkpoint, so rerunning the same
+command after a kill continues where it stopped. Then every run is compared with the baseline run of the same
+training seed (the per-run quality rule), every setup with all baseline seeds (the seed-aware rule), and the
+pass/fail bracket is read off the mismatch axis. Writes OUT/runs.csv, OUT/setups.csv, OUT/summary.json,
+OUT/bracket.png and, with a `screen` section, OUT/screen.json (offline decisions vs the full runs' verdicts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sweep", help="sweep YAML (see configs/sweeps/)")
+    p.add_argument("--analyze-only", action="store_true", help="do not train; analyze the runs that exist")
+    p.add_argument("--no-screen", action="store_true", help="skip the screening section")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jopd.lab import sweep_report
+    from jopd.lab.sweep import run_config, run_sweep
+    from jopd.lab.sweep_config import load_sweep
+
+    sweep = load_sweep(args.sweep)
+    out = Path(sweep.out_dir)
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    t0 = time.perf_counter()
+    if not args.analyze_only:
+        records = run_sweep(sweep, log=log)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "runs_log.jsonl").open("a").write("".join(json.dumps(r) + "\n" for r in records))
+        if any(r["status"] == "interrupted" for r in records):
+            return 0
+    result = sweep_report.analyze(sweep)
+    sweep_report.write_tables(result, out)
+    sweep_report.plot(result, out / "bracket.png")
+    print(sweep_report.table(result))
+    if sweep.screen is not None and not args.no_screen:
+        from jopd.lab.screen import screen
+
+        sc = sweep.screen
+        verdicts = {s["setup"]: s["per_run_verdicts"] for s in result["setups"]}
+        cal = [{"label": f"{r['setup']}/seed{r['seed']}", "setup": r["setup"], "verdict": r["verdict"]}
+               for r in result["runs"] if r["setup"] in sc.calibration]
+        configs = {s.name: run_config(sweep, s, s.seeds[0]) for s in sweep.all_setups()}
+        student = None
+        if sc.student == "baseline":
+            student = str(out / sweep.baseline.name / f"seed{sweep.baseline.seeds[0]}")
+        in_run = {s["setup"]: s["mismatch"] for s in result["setups"]}
+        report = screen(cal, [(n, configs[n], verdicts.get(n, [])) for n in sc.candidates], student=student,
+                        batches=sc.batches, resamples=sc.resamples, setup_configs=configs, in_run=in_run, log=log)
+        (out / "screen.json").write_text(json.dumps(report.to_dict(), indent=2, default=float) + "\n")
+        print(report.table())
+    print(f"wrote {out}/summary.json, runs.csv, setups.csv, bracket.png ({time.perf_counter() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,82 @@
+"""Run a `SweepConfig`: every (setup, seed) as a full `jopd train` run, resumable (finished runs are skipped, an
+interrupted one resumes from its checkpoint), then the analysis (`sweep_report`).
+
+All runs of a sweep share the starting student, the teacher and the held-out evaluation seed
+(`train.eval_seed`), so the evaluation before training is the same for every run: it is computed once, by the
+first run, and copied into the others.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from jopd.lab.runs import is_finished
+from jopd.lab.sweep_config import SetupConfig, SweepConfig
+from jopd.opd.run_config import RunConfig, load_config
+
+
+def run_dir(sweep: SweepConfig, setup: str, seed: int) -> Path:
+    return Path(sweep.out_dir) / setup / f"seed{seed}"
+
+
+def run_config(sweep: SweepConfig, setup: SetupConfig, seed: int) -> RunConfig:
+    """The run config of one (setup, seed): base, sweep overrides, setup overrides, then the seed and directory.
+    Mismatch is always measured exactly (the x axis of the study)."""
+    return load_config(sweep.base, [*sweep.overrides, *setup.overrides, f"train.seed={seed}",
+                                    f"train.out_dir={run_dir(sweep, setup.name, seed)}", "train.mismatch=exact"])
+
+
+def planned_runs(sweep: SweepConfig) -> list[tuple[SetupConfig, int]]:
+    """Baseline seeds first (every rule compares against them), then the setups in file order."""
+    return [(s, seed) for s in sweep.all_setups() for seed in s.seeds]
+
+
+def check_configs(sweep: SweepConfig) -> None:
+    """Every run's config is valid before the first one starts (a typo in the last setup fails now, not in an hour)."""
+    for setup, seed in planned_runs(sweep):
+        try:
+            run_config(sweep, setup, seed)
+        except ValueError as e:
+            raise ValueError(f"sweep setup {setup.name!r}: {e}") from None
+
+
+def _share_before_eval(sweep: SweepConfig, target: Path) -> None:
+    for setup, seed in planned_runs(sweep):
+        src = run_dir(sweep, setup.name, seed) / "eval"
+        if (src / "before.json").is_file() and (src / "before.csv").is_file():
+            (target / "eval").mkdir(parents=True, exist_ok=True)
+            for name in ("before.json", "before.csv"):
+                if not (target / "eval" / name).exists():
+                    shutil.copy(src / name, target / "eval" / name)
+            return
+
+
+def run_sweep(sweep: SweepConfig, log=print) -> list[dict]:
+    """Train every planned run that is not finished yet. Returns one record per run: setup, seed, dir, status
+    ("done" = finished before, "trained" = finished now, "interrupted" = preempted, resumable) and the wall
+    seconds spent now."""
+    from jopd.opd.loop import train
+
+    check_configs(sweep)
+    records = []
+    runs = planned_runs(sweep)
+    for i, (setup, seed) in enumerate(tqdm(runs, desc="sweep", dynamic_ncols=True)):
+        out = run_dir(sweep, setup.name, seed)
+        if is_finished(out):
+            records.append({"setup": setup.name, "seed": seed, "dir": str(out), "status": "done", "wall_s": 0.0})
+            continue
+        log(f"[{i + 1}/{len(runs)}] {setup.name} seed {seed} -> {out}")
+        _share_before_eval(sweep, out)
+        t0 = time.perf_counter()
+        summary = train(run_config(sweep, setup, seed), log=log)
+        status = "trained" if "after" in summary else "interrupted"
+        records.append({"setup": setup.name, "seed": seed, "dir": str(out), "status": status,
+                        "wall_s": time.perf_counter() - t0})
+        if status == "interrupted":  # preempted (SIGTERM/SIGINT): the run saved its state; a rerun resumes it
+            log(f"{out}: stopped at step {summary['steps']}; rerun the sweep to resume")
+            break
+    return records

@@ -1,0 +1,174 @@
+"""A finished sweep's analysis: the quality rule for every run against the baseline run of the same training
+seed, a seed-aware verdict per setup, the pass/fail bracket on the mismatch axis, the baseline's own seed
+spread; written as OUT/summary.{csv,json} and OUT/bracket.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jopd.lab import quality
+from jopd.lab.screening import calibrate
+from jopd.lab.sweep import run_dir
+from jopd.lab.sweep_config import SweepConfig
+
+
+def _run_record(sweep: SweepConfig, setup: str, seed: int) -> dict[str, Any]:
+    d = run_dir(sweep, setup, seed)
+    ev = quality.read_eval(d, sweep.quality.eval)
+    mm = quality.mean_mismatch(d)
+    if mm is None:
+        raise ValueError(f"{d}/metrics.jsonl: no mismatch_kl logged (the sweep runs with train.mismatch=exact)")
+    summary = json.loads((d / "eval" / f"{sweep.quality.eval}.json").read_text())
+    return {"setup": setup, "seed": seed, "dir": str(d), "mismatch": mm, "eval": ev,
+            "divergence": float(np.mean(ev.divergence)), "accuracy": float(summary.get("accuracy", math.nan))}
+
+
+def analyze(sweep: SweepConfig) -> dict[str, Any]:
+    """Every run's verdict (vs the baseline run with its seed, else the baseline's first seed), each setup's
+    seed-aware verdict (vs all baseline seeds), the per-run and seed-aware brackets, the baseline spread."""
+    q = sweep.quality
+    base = {s: _run_record(sweep, sweep.baseline.name, s) for s in sweep.baseline.seeds}
+    first = sweep.baseline.seeds[0]
+    base_arrays = [quality.pair(b["eval"], base[first]["eval"])[1] for b in base.values()]
+    runs, setups = [], []
+    for s in sweep.baseline.seeds[1:]:  # what the per-run rule says about seed noise alone
+        ids, run_B, base_B = quality.pair(base[s]["eval"], base[first]["eval"])
+        v = quality.quality_rule(run_B, base_B, q.threshold, q.resamples, q.seed)
+        runs.append(_row(base[s], v, paired_with=first, baseline=True))
+    for setup in sweep.setups:
+        recs = [_run_record(sweep, setup.name, s) for s in setup.seeds]
+        arrays = []
+        for r in recs:
+            b = base.get(r["seed"], base[first])
+            _, run_B, base_B = quality.pair(r["eval"], b["eval"])
+            v = quality.quality_rule(run_B, base_B, q.threshold, q.resamples, q.seed)
+            runs.append(_row(r, v, paired_with=b["seed"]))
+            arrays.append(quality.pair(r["eval"], base[first]["eval"])[1])
+        sa = quality.seed_aware_rule(arrays, base_arrays, q.threshold, q.resamples, q.seed)
+        per_run = [x["verdict"] for x in runs if x["setup"] == setup.name]
+        setups.append({"setup": setup.name, "seeds": list(setup.seeds), "overrides": list(setup.overrides),
+                       "mismatch": float(np.mean([r["mismatch"] for r in recs])),
+                       "mismatch_per_seed": [r["mismatch"] for r in recs],
+                       "divergence_per_seed": [r["divergence"] for r in recs],
+                       "accuracy_per_seed": [r["accuracy"] for r in recs],
+                       "per_run_verdicts": per_run, "seed_aware": sa.to_dict(),
+                       "disagree": any(v != sa.verdict for v in per_run)})
+    base_means = [b["divergence"] for b in base.values()]
+    grand = float(np.mean(base_means))
+    setup_runs = [r for r in runs if not r["baseline"]]
+    out = {"threshold": q.threshold, "eval": q.eval,
+           "baseline": {"setup": sweep.baseline.name, "seeds": list(sweep.baseline.seeds),
+                        "divergence_per_seed": base_means, "accuracy_per_seed": [b["accuracy"] for b in base.values()],
+                        "seed_rises": [m / grand - 1 for m in base_means],
+                        "rel_range": (max(base_means) - min(base_means)) / grand,
+                        "mismatch_per_seed": [b["mismatch"] for b in base.values()]},
+           "runs": runs, "setups": setups,
+           "bracket_per_run": _bracket([(r["mismatch"], r["verdict"]) for r in setup_runs],
+                                       [f"{r['setup']}/seed{r['seed']}" for r in setup_runs]),
+           "bracket_seed_aware": _bracket([(s["mismatch"], s["seed_aware"]["verdict"]) for s in setups],
+                                          [s["setup"] for s in setups])}
+    return out
+
+
+def _row(rec: dict[str, Any], v: quality.QualityVerdict, *, paired_with: int, baseline: bool = False) -> dict:
+    return {"setup": rec["setup"], "seed": rec["seed"], "baseline": baseline, "paired_with_base_seed": paired_with,
+            "mismatch": rec["mismatch"], "divergence": rec["divergence"], "accuracy": rec["accuracy"],
+            "rise": v.rise, "diff_mean": v.diff_mean, "ci_low": v.ci_low, "ci_high": v.ci_high,
+            "verdict": v.verdict}
+
+
+def _bracket(points, labels) -> dict[str, Any] | None:
+    if not any(v == "PASS" for _, v in points):
+        return None
+    try:
+        return calibrate(points, labels).to_dict()
+    except ValueError as e:  # e.g. no PASS below the lowest FAIL: say so instead of a bracket
+        return {"error": str(e)}
+
+
+def write_tables(result: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    cols = ["setup", "seed", "baseline", "paired_with_base_seed", "mismatch", "divergence", "accuracy", "rise",
+            "diff_mean", "ci_low", "ci_high", "verdict"]
+    with open(out_dir / "runs.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, cols)
+        w.writeheader()
+        w.writerows({k: r[k] for k in cols} for r in result["runs"])
+    with open(out_dir / "setups.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["setup", "seeds", "mismatch", "per_run_verdicts", "seed_aware_rise", "seed_aware_ci_low",
+                    "seed_aware_ci_high", "seed_aware_verdict", "disagree"])
+        for s in result["setups"]:
+            sa = s["seed_aware"]
+            w.writerow([s["setup"], " ".join(map(str, s["seeds"])), f"{s['mismatch']:.6g}",
+                        " ".join(s["per_run_verdicts"]), f"{sa['rise']:.4f}", f"{sa['rise_ci_low']:.4f}",
+                        f"{sa['rise_ci_high']:.4f}", sa["verdict"], int(s["disagree"])])
+
+
+def table(result: dict[str, Any]) -> str:
+    b = result["baseline"]
+    lines = [f"baseline {b['setup']}: held-out divergence per seed "
+             + " · ".join(f"{m:.3f}" for m in b["divergence_per_seed"])
+             + f" (range {b['rel_range']:.1%} of their mean)",
+             f"{'setup':16s} {'mismatch':>9s} {'rise per seed (per-run verdict)':>40s} {'seed-aware rise [95% CI]':>30s}"]
+    for s in sorted(result["setups"], key=lambda s: s["mismatch"]):
+        rows = [r for r in result["runs"] if r["setup"] == s["setup"]]
+        per = " ".join(f"{r['rise']:+.0%}{'F' if r['verdict'] == 'FAIL' else ''}" for r in rows)
+        sa = s["seed_aware"]
+        lines.append(f"{s['setup']:16s} {s['mismatch']:9.3g} {per:>40s} {sa['rise']:+8.1%} "
+                     f"[{sa['rise_ci_low']:+.1%}, {sa['rise_ci_high']:+.1%}] {sa['verdict']}"
+                     + ("  <- rules disagree" if s["disagree"] else ""))
+    for key in ("bracket_per_run", "bracket_seed_aware"):
+        br = result[key]
+        if br and "error" not in br:
+            high = "none" if br["bracket_high"] is None else f"{br['bracket_high']:.3g}"
+            lines.append(f"{key.replace('_', ' ')}: ({br['bracket_low']:.3g}, {high}] nats/token"
+                         + (f"; non-monotone: {', '.join(r['label'] for r in br['non_monotone'])}"
+                            if br["non_monotone"] else ""))
+        elif br:
+            lines.append(f"{key.replace('_', ' ')}: {br['error']}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Rise vs mismatch (log x): each run (o PASS, x FAIL), each setup's seed-aware rise with its CI, the
+    bracket shaded, the threshold, and the baseline seeds' spread as a band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    b = result["baseline"]
+    ax.axhspan(min(b["seed_rises"]) * 100, max(b["seed_rises"]) * 100, color="0.85",
+               label=f"baseline seeds' spread ({len(b['seed_rises'])} seeds)")
+    ax.axhline(result["threshold"] * 100, color="C3", ls="--", lw=1, label=f"threshold +{result['threshold']:.0%}")
+    ax.axhline(0, color="0.5", lw=0.8)
+    br = result["bracket_per_run"]
+    if br and "error" not in br and br["bracket_high"] is not None:
+        ax.axvspan(br["bracket_low"], br["bracket_high"], color="C1", alpha=0.15, label="bracket (per-run rule)")
+    runs = [r for r in result["runs"] if not r["baseline"]]
+    for verdict, marker, color in (("PASS", "o", "C0"), ("FAIL", "x", "C3")):
+        pts = [(r["mismatch"], r["rise"] * 100) for r in runs if r["verdict"] == verdict]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, color=color, label=f"run: {verdict}", zorder=3)
+    for s in result["setups"]:
+        sa = s["seed_aware"]
+        y, lo, hi = sa["rise"] * 100, sa["rise_ci_low"] * 100, sa["rise_ci_high"] * 100
+        ax.errorbar(s["mismatch"], y, yerr=[[y - lo], [hi - y]], color="k", alpha=0.5, capsize=3, lw=1)
+        ax.annotate(s["setup"], (s["mismatch"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("mismatch: mean exact KL(sampler ‖ trainer) over training (nats/token)")
+    ax.set_ylabel("rise in held-out teacher divergence vs baseline (%)")
+    ax.set_title("quality rule vs rollout mismatch (bars: seed-aware rise, 95% CI)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

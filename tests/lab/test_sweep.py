@@ -1,0 +1,95 @@
+"""`jopd sweep` on a tiny testbed: every (setup, seed) trains once, an interrupted sweep resumes without redoing
+finished runs, and the analysis pairs each run with the baseline run of its seed."""
+
+import json
+
+import pytest
+import yaml
+
+from jopd import cli
+from jopd.lab import sweep as sweeplib
+from jopd.lab.sweep_config import load_sweep
+from jopd.opd import loop
+
+TINY = {
+    "teacher": {"arch": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
+                         "num_kv_heads": 1, "head_dim": 16}, "warm_start": {"steps": 30, "batch_size": 16}},
+    "student": {"arch": {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2,
+                         "num_kv_heads": 1, "head_dim": 8}, "warm_start": {"steps": 10, "batch_size": 16}},
+    "data": {"batch_size": 8, "eval_batch_size": 16, "arithmetic": {"max_steps": 1, "heldout_size": 24}},
+    "sampling": {"max_new_tokens": 10},
+    "loss": {"top_k": 16},
+    "train": {"steps": 3, "eval_problems": 24, "eval_max_new_tokens": 10},
+    "checkpoint": {"every": 100, "async_save": False},
+}
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.fixture
+def sweep_file(tmp_path):
+    base = tmp_path / "tiny.yaml"
+    base.write_text(yaml.safe_dump(TINY))
+    spec = {"base": str(base), "out_dir": str(tmp_path / "sweep"), "overrides": [f"train.cache_dir={tmp_path}/cache"],
+            "baseline": {"name": "fp32", "seeds": [0, 1]},
+            "setups": [{"name": "noise_3", "overrides": ["rollout_precision.logit_noise=3.0"], "seeds": [0, 1]}],
+            "quality": {"resamples": 500}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_interrupted_sweep_resumes_without_redoing_finished_runs(sweep_file, monkeypatch, capsys):
+    calls, deaths = [], []
+    real_train = loop.train
+
+    def train_then_die(cfg, log=print):
+        calls.append((cfg.train.out_dir, cfg.train.seed, cfg.rollout_precision.logit_noise))
+        if len(calls) == 2 and not deaths:
+            deaths.append(cfg.train.out_dir)
+            raise Killed  # the process dies during the second run
+        return real_train(cfg, log=lambda *_: None)
+
+    monkeypatch.setattr(loop, "train", train_then_die)
+    sweep = load_sweep(str(sweep_file))
+    with pytest.raises(Killed):
+        sweeplib.run_sweep(sweep, log=lambda *_: None)
+    first = calls[0][0]
+    assert first.endswith("fp32/seed0") and sweeplib.is_finished(first)
+
+    calls.clear()
+    records = sweeplib.run_sweep(sweep, log=lambda *_: None)
+    assert [c[0] for c in calls] == [str(sweeplib.run_dir(sweep, s, k)) for s, k in
+                                     [("fp32", 1), ("noise_3", 0), ("noise_3", 1)]]  # fp32/seed0 not redone
+    assert [r["status"] for r in records] == ["done", "trained", "trained", "trained"]
+    assert [c[1:] for c in calls] == [(1, 0.0), (0, 3.0), (1, 3.0)]  # seeds and setups reach the run configs
+    before = [json.loads((sweeplib.run_dir(sweep, s, k) / "eval" / "before.json").read_text())
+              for s, k in [("fp32", 0), ("noise_3", 1)]]
+    assert before[0] == before[1]  # the shared starting student's eval, computed once
+
+    monkeypatch.setattr(loop, "train", real_train)
+    assert cli.main(["sweep", str(sweep_file), "--analyze-only"]) == 0
+    out = sweep.out_dir
+    summary = json.loads(open(f"{out}/summary.json").read())
+    runs = {(r["setup"], r["seed"]): r for r in summary["runs"]}
+    assert set(runs) == {("fp32", 1), ("noise_3", 0), ("noise_3", 1)}
+    assert runs[("noise_3", 1)]["paired_with_base_seed"] == 1 and runs[("fp32", 1)]["baseline"]
+    assert runs[("noise_3", 0)]["mismatch"] > 0.1 > runs[("fp32", 1)]["mismatch"]
+    (setup,) = summary["setups"]
+    assert setup["seed_aware"]["pairs"] and len(setup["per_run_verdicts"]) == 2
+    assert (sweeplib.Path(out) / "bracket.png").stat().st_size > 10_000
+    assert "noise_3" in capsys.readouterr().out
+
+
+def test_sweep_file_errors_name_the_field(tmp_path, sweep_file):
+    spec = yaml.safe_load(sweep_file.read_text())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(spec | {"setups": [{"name": "fp32"}]}))
+    with pytest.raises(ValueError, match="duplicate names"):
+        load_sweep(str(bad))
+    bad.write_text(yaml.safe_dump(spec | {"setups": [{"name": "x", "overrides": ["rollout_precision.logit_nois=1"]}]}))
+    with pytest.raises(ValueError, match=r"sweep setup 'x': RunConfig.rollout_precision.logit_nois: unknown key"):
+        sweeplib.check_configs(load_sweep(str(bad)))
+    assert cli.main(["sweep", str(tmp_path / "missing.yaml")]) == 2
