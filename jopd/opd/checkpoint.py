@@ -23,9 +23,11 @@ The loop a trainer runs (`PreemptionGuard` also serves other loops):
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import signal
 import threading
-import os
 from typing import Any, NamedTuple
 
 import grain
@@ -77,9 +79,10 @@ class Checkpointer:
             raise ValueError("CheckpointConfig.dir: not set (checkpointing needs a directory)")
         self.cfg = cfg
         self.directory = checkpoint_directory(cfg.dir)
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
-                                               create=True)
-        self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        self._options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
+                                                     create=True)
+        self._mgr = ocp.CheckpointManager(self.directory, options=self._options)
+        self._damaged: set[int] = set()  # steps on disk that failed to restore (see `restore_latest`)
 
     def should_save(self, step: int) -> bool:
         return step % self.cfg.every == 0
@@ -87,6 +90,9 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_iterator: Any = None, metadata: dict[str, Any] | None = None, *,
              force: bool = False) -> bool:
         """Save at `step` if it is a save step (or `force`) and not already saved; returns whether it saved."""
+        if step in self._damaged:  # a damaged copy of this step is on disk: replace it
+            self._mgr.delete(step)
+            self._damaged.discard(step)
         if not (force or self.should_save(step)) or step in self._mgr.all_steps():
             return False
         items: dict[str, Any] = {"state": ocp.args.StandardSave(state)}
@@ -110,14 +116,38 @@ class Checkpointer:
             if "data" not in saved:
                 raise ValueError(f"checkpoint {self.directory}/{step} holds no data iterator position")
             items["data"] = grain.checkpoint.CheckpointRestore(fresh_iterator)
-        out = self._mgr.restore(step, args=ocp.args.Composite(**items))
+        if "meta" in saved:  # asked for, so Orbax does not warn that a saved item went unrestored
+            items["meta"] = ocp.args.JsonRestore()
+        with _quiet_orbax():
+            out = self._mgr.restore(step, args=ocp.args.Composite(**items))
         return Restored(state=out["state"], iterator=out["data"] if fresh_iterator is not None else None,
                         step=int(step))
 
-    def restore_latest(self, abstract_state: Any, fresh_iterator: Any = None) -> Restored | None:
-        """`restore` of the latest step, or None when the directory holds no checkpoint."""
-        step = self.latest_step()
-        return None if step is None else self.restore(step, abstract_state, fresh_iterator)
+    def restore_latest(self, abstract_state: Any, fresh_iterator: Any = None, warn=print) -> Restored | None:
+        """`restore` of the latest step that restores, or None when the directory holds no checkpoint.
+
+        A step that fails to restore (a truncated or deleted file inside it) is skipped with a warning naming
+        it, and the previous step is tried; the damaged step is left on disk until training reaches that step
+        again and overwrites it. If no step restores (e.g. a config whose shapes differ from the run's), an
+        error names the steps tried and the first failure, and nothing on disk is touched."""
+        failures = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                restored = self.restore(step, abstract_state, fresh_iterator)
+            except Exception as e:  # noqa: BLE001  orbax/tensorstore raise many types for damaged files
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                failures.append((step, first))
+                continue
+            for bad, why in failures:
+                warn(f"warning: checkpoint {self.directory}/{bad} does not restore ({why}); resuming from step "
+                     f"{step} instead")
+            self._damaged = {bad for bad, _ in failures}
+            return restored
+        if failures:
+            tried = ", ".join(str(st) for st, _ in failures)
+            raise ValueError(f"{self.directory}: no checkpoint restores (tried steps {tried}; step "
+                             f"{failures[0][0]}: {failures[0][1]})")
+        return None
 
     def metadata(self, step: int | None = None) -> dict[str, Any] | None:
         """The JSON metadata saved at `step` (default: latest), or None."""
@@ -141,36 +171,52 @@ class Checkpointer:
         self.close()
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax logs restore details through absl at WARNING; jopd prints its own one-line resume message."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _jax_preemption_service() -> bool:
     """Whether this is a multi-process jax.distributed job with JAX's preemption service enabled."""
     return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
 
 
 class PreemptionGuard:
-    """Turns a preemption notice (SIGTERM by default) into a flag the training loop polls once per step.
+    """Turns a preemption notice (SIGTERM) or Ctrl-C (SIGINT) into a flag the training loop polls once per step.
 
-    Single process: a Python signal handler sets the flag; the loop finishes its step, saves, exits 0.
+    Single process: a Python signal handler sets the flag; the loop finishes its step, saves, exits 0. A second
+    SIGINT while the flag is set raises KeyboardInterrupt at once (the user insists; nothing more is saved).
     Multi-process under `jax.distributed` with its preemption service (the default on TPU pods): JAX's own
     notifier receives SIGTERM on any host and `multihost_utils.reached_preemption_sync_point(step)` turns True
     on every host at the same step, so all hosts save the same step together. No Python handler is installed
-    then (it would replace JAX's). Call `should_stop(step)` on every process at every step, with increasing
-    steps. Signals can only be caught on the main thread; elsewhere the guard only polls JAX.
+    then for SIGTERM (it would replace JAX's). Call `should_stop(step)` on every process at every step, with
+    increasing steps. Signals can only be caught on the main thread; elsewhere the guard only polls JAX.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
         self.signals = signals
         self._flag = threading.Event()
         self._previous: dict[int, Any] = {}
         self._use_jax = False
 
     def _handler(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self._flag.is_set():
+            raise KeyboardInterrupt  # second Ctrl-C: stop now, without the save
         self._flag.set()
 
     def __enter__(self) -> PreemptionGuard:
         self._use_jax = _jax_preemption_service()
-        if not self._use_jax and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handler)
+                if not (self._use_jax and sig == signal.SIGTERM):  # JAX's notifier owns SIGTERM then
+                    self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
     def __exit__(self, *exc) -> None:

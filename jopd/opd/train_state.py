@@ -71,9 +71,13 @@ def _split_microbatches(batch: Batch, n: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
-                    grad_accum_steps: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """Builds the pure step. Metrics are averaged over micro-batches; `grad_norm` is of the mean gradient."""
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, grad_accum_steps: int = 1,
+                    skip_nonfinite: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """Builds the pure step. Metrics are averaged over micro-batches; `grad_norm` is of the mean gradient.
+
+    `skip_nonfinite`: when the loss or the gradient norm is NaN/Inf, the step keeps the params and optimizer
+    state as they were (decided on the device, so a bad update never exists anywhere, not even in a state the
+    host has not looked at yet) and reports `nonfinite` = 1; the step counter still advances."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: Batch):
@@ -94,8 +98,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
             loss, metrics, grads = jax.tree.map(lambda x: x * inv, (loss, metrics, grads))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
-                       update_norm=optax.tree.norm(updates))
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_nonfinite:
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, update_norm=optax.tree.norm(updates),
+                       nonfinite=(~finite).astype(jnp.float32))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step

@@ -10,19 +10,7 @@ from jopd import cli
 from jopd.lab import sweep as sweeplib
 from jopd.lab.sweep_config import load_sweep
 from jopd.opd import loop
-
-TINY = {
-    "teacher": {"arch": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
-                         "num_kv_heads": 1, "head_dim": 16}, "warm_start": {"steps": 30, "batch_size": 16}},
-    "student": {"arch": {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2,
-                         "num_kv_heads": 1, "head_dim": 8}, "warm_start": {"steps": 10, "batch_size": 16}},
-    "data": {"batch_size": 8, "eval_batch_size": 16, "arithmetic": {"max_steps": 1, "heldout_size": 24}},
-    "sampling": {"max_new_tokens": 10},
-    "loss": {"top_k": 16},
-    "train": {"steps": 3, "eval_problems": 24, "eval_max_new_tokens": 10},
-    "checkpoint": {"every": 100, "async_save": False},
-}
-
+from tests.helpers.tiny_testbed import write_tiny
 
 class Killed(Exception):
     pass
@@ -30,8 +18,7 @@ class Killed(Exception):
 
 @pytest.fixture
 def sweep_file(tmp_path):
-    base = tmp_path / "tiny.yaml"
-    base.write_text(yaml.safe_dump(TINY))
+    base = write_tiny(tmp_path / "tiny.yaml")
     spec = {"base": str(base), "out_dir": str(tmp_path / "sweep"), "overrides": [f"train.cache_dir={tmp_path}/cache"],
             "baseline": {"name": "fp32", "seeds": [0, 1]},
             "setups": [{"name": "noise_3", "overrides": ["rollout_precision.logit_noise=3.0"], "seeds": [0, 1]}],

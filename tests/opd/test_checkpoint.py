@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -122,13 +123,23 @@ def test_restore_errors_and_config(tmp_path):
         build(CheckpointConfig, {"dir": "x", "keep": 0})
 
 
-def test_preemption_guard_flag_and_handler_restore():
-    previous = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_guard_flag_and_handler_restore(sig):
+    previous = signal.getsignal(sig)
     with PreemptionGuard() as guard:
         assert not guard.should_stop(1)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
         assert guard.requested and guard.should_stop(2)
-    assert signal.getsignal(signal.SIGTERM) is previous
+    assert signal.getsignal(sig) is previous
+
+
+def test_second_sigint_exits_at_once():
+    with PreemptionGuard() as guard:
+        os.kill(os.getpid(), signal.SIGINT)  # first Ctrl-C: finish the step, save, exit 0
+        assert guard.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # second: now
+            time.sleep(1)  # the handler runs here, on the main thread
 
 
 def _load_loop():
@@ -139,7 +150,8 @@ def _load_loop():
 
 
 @pytest.mark.slow
-def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_signal_saves_exits_zero_and_resumes(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     script = str(REPO / "tests" / "helpers" / "preemption_loop.py")
     ckpt_dir = tmp_path / "ckpt"
@@ -150,7 +162,7 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
         for line in proc.stdout:
             lines.append(line.strip())
             if line.startswith("step 5"):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
                 break
         lines += [line.strip() for line in proc.stdout]
         assert proc.wait(timeout=120) == 0
@@ -201,3 +213,43 @@ def test_multiprocess_sigterm_on_one_host_stops_every_host_at_the_same_step():
                 p.kill()
     exits = [out.strip().splitlines()[-1] for out in outputs]
     assert exits[0] == exits[1] and exits[0].startswith("exit ")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_step(tmp_path, damage):
+    """A truncated or deleted file inside the latest step: restore warns naming it and resumes from the step
+    before (never a crash, never silently older data); training can then save that step again."""
+    rng = np.random.default_rng(0)
+    states = {s: {"w": jnp.asarray(rng.normal(size=(4096,)), jnp.float32)} for s in (1, 2)}
+    with Checkpointer(CheckpointConfig(dir=str(tmp_path), every=1, keep=5, async_save=False)) as ckpt:
+        for s, st in states.items():
+            ckpt.save(s, st, metadata={"step": s})
+    files = [p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files
+    for p in files:
+        if damage == "truncate":
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+        else:
+            p.unlink()
+    warnings = []
+    with Checkpointer(CheckpointConfig(dir=str(tmp_path), every=1, keep=5, async_save=False)) as ckpt:
+        restored = ckpt.restore_latest({"w": jnp.zeros(4096)}, warn=warnings.append)
+        assert restored.step == 1
+        np.testing.assert_array_equal(restored.state["w"], states[1]["w"])
+        assert len(warnings) == 1 and f"{tmp_path}/2 does not restore" in warnings[0]
+        assert "resuming from step 1" in warnings[0]
+        assert ckpt.save(2, states[2], metadata={"step": 2})  # the damaged step 2 is replaced
+    with Checkpointer(CheckpointConfig(dir=str(tmp_path), every=1, keep=5, async_save=False)) as ckpt:
+        again = ckpt.restore_latest({"w": jnp.zeros(4096)}, warn=warnings.append)
+        assert again.step == 2 and len(warnings) == 1
+        np.testing.assert_array_equal(again.state["w"], states[2]["w"])
+
+
+def test_no_restorable_step_is_an_error_that_touches_nothing(tmp_path):
+    with Checkpointer(CheckpointConfig(dir=str(tmp_path), every=1, async_save=False)) as ckpt:
+        ckpt.save(1, {"w": jnp.zeros(8)})
+        ckpt.save(2, {"w": jnp.ones(8)})
+        before = sorted(p.name for p in tmp_path.iterdir())
+        with pytest.raises(ValueError, match=r"no checkpoint restores \(tried steps 2, 1; step 2: "):
+            ckpt.restore_latest({"w": jnp.zeros(3)})  # shapes of another config: not damage
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -49,3 +49,20 @@ def test_schedule_warmup_then_cosine_to_end_fraction():
     sched = learning_rate_schedule(OptimConfig(learning_rate=1.0, warmup_steps=4, end_lr_fraction=0.1), 20)
     assert float(sched(0)) == 0.0 and abs(float(sched(4)) - 1.0) < 1e-6
     assert abs(float(sched(20)) - 0.1) < 1e-6 and float(sched(12)) < 1.0
+
+
+def test_nonfinite_update_is_skipped_on_device():
+    params, batch = _setup()
+    opt = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0), total_steps=10)
+    bad = dict(batch, x=batch["x"].at[0, 0].set(jnp.nan))
+    for skip in (True, False):
+        state = init_train_state(params, opt, jax.random.key(3))
+        step = jax.jit(make_train_step(_loss, opt, skip_nonfinite=skip))
+        state, m_good = step(state, batch)
+        after_good = jax.tree.map(np.asarray, (state.params, state.opt_state))
+        state, m_bad = step(state, bad)
+        assert float(m_good["nonfinite"]) == 0.0 and float(m_bad["nonfinite"]) == 1.0
+        assert int(state.step) == 2
+        kept = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), (state.params, state.opt_state), after_good)
+        assert all(jax.tree.leaves(kept)) == skip  # skipped: bit-identical to before; applied: NaN got in
+        assert np.isfinite(np.asarray(state.params["w"])).all() == skip

@@ -1,0 +1,78 @@
+"""Reliability of `jopd train` under abuse: SIGKILL at random moments (one of them in the middle of an async
+checkpoint write) and restarts end with params bit-identical to an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jopd.opd.checkpoint import CheckpointConfig, Checkpointer
+from jopd.opd.loop import build, train
+from jopd.opd.run_config import load_config
+from tests.helpers.tiny_testbed import write_tiny
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 24
+def _cfg_file(tmp: Path) -> Path:
+    return write_tiny(tmp / "tiny.yaml", train={"steps": STEPS, "eval_problems": 16, "eval_max_new_tokens": 8},
+                      checkpoint={"every": 2, "keep": 3, "async_save": True})
+
+
+def _final_params(cfg):
+    run, state = build(cfg, log=lambda *_: None)
+    with Checkpointer(CheckpointConfig(dir=str(Path(cfg.train.out_dir) / "checkpoints"))) as ckpt:
+        restored = ckpt.restore(STEPS, run.step.abstract_state())
+    return jax.device_get(restored.state.params)
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for _ in path.open()) if path.exists() else 0
+
+
+def _writing(ckpt_dir: Path) -> bool:
+    return ckpt_dir.is_dir() and any("tmp" in p.name for p in ckpt_dir.iterdir())
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
+    cfg_path = _cfg_file(tmp_path)
+    common = [f"train.cache_dir={tmp_path / 'cache'}"]
+    straight = load_config(str(cfg_path), [*common, f"train.out_dir={tmp_path / 'straight'}"])
+    train(straight, log=lambda *_: None)  # also trains and caches the tiny testbed models
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "jopd.cli", "train", str(cfg_path), *common, f"train.out_dir={out}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    rng = np.random.default_rng(0)
+    metrics, ckpt_dir = out / "metrics.jsonl", out / "checkpoints"
+    kills, caught_write = 0, False
+    while kills < 5:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        target = _lines(metrics) + int(rng.integers(1, 5))  # a few more steps logged, then a random instant
+        deadline = time.time() + 180
+        while proc.poll() is None and time.time() < deadline and _lines(metrics) < target:
+            time.sleep(0.01)
+        if kills == 2:  # this kill lands inside an async checkpoint write (orbax's tmp directory exists)
+            while proc.poll() is None and time.time() < deadline and not _writing(ckpt_dir):
+                time.sleep(0.001)
+        else:
+            time.sleep(float(rng.uniform(0, 0.3)))
+        if proc.poll() is not None:
+            break  # finished before the kill: nothing left to interrupt
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        caught_write |= kills == 2 and _writing(ckpt_dir)
+        kills += 1
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert kills == 5 and caught_write  # five kills, one of them mid-write: that step was never restored
+    resumed = load_config(str(cfg_path), [*common, f"train.out_dir={out}"])
+    a, b = _final_params(straight), _final_params(resumed)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
