@@ -1,0 +1,693 @@
+"""Teacher-reliability probe: from the student's own wrong prefixes, does the teacher recover, or carry the error on?
+
+OPD scores the student's tokens with the teacher on the student's own prefixes. Once a prefix has gone wrong, a
+teacher that keeps writing along the error gives a token-level signal that reinforces it. The probe measures
+that before anyone trusts the signal:
+
+1. The student answers held-out problems (`train.eval_seed`, the run's sampling: the same draws as `jopd
+   train`'s held-out eval; or greedily); the responses with a wrong final answer are kept.
+2. Each wrong response is cut at its first error (the arithmetic task: `jopd.data.arithmetic_steps`) or, where
+   steps cannot be checked (JSONL math), at fixed fractions of its tokens. The **erroneous prefix** is the
+   prompt + the response tokens up to and including the token that produced the first wrong character (the
+   first token after which no correct solution starts with the response). A stop token is never kept: when
+   the error is stopping early, the prefix ends before the stop token and the teacher may go on instead.
+   (With fraction cuts the "erroneous" prefixes are cuts of wrong responses: the error may lie after the cut.)
+3. From each prefix the teacher continues greedily and with K seeded samples (the run's temperature / top-p /
+   top-k; sample j of a problem has the same random draws in every prefix set), within the responses' token
+   budget (prefix + continuation <= train.eval_max_new_tokens tokens). The continued response
+   (prefix + continuation) ends on a final answer, its last `#### n` (a continuation may restate one):
+   **recovery**: it is the correct answer; **agreement**: it is the student's wrong answer (or both have none);
+   **other**: anything else. Per prefix the three add up to 1 (sampled: fractions of the K samples). Also, on
+   the arithmetic task, **follows_error** (the student's prefixes): not recovered, and the completed response
+   has exactly one local error (`arithmetic_steps.local_violations`), i.e. the teacher wrote along the error to
+   the answer it implies, whether or not the student landed there too.
+4. **Recognition**, from one teacher forward: at the position that predicts the prefix's last kept token (the
+   erroneous token; a stop token when the error is stopping early), the teacher's probability of that token
+   (at the sampling temperature), its probability of its own top choice, and the token's rank (1 = the
+   teacher's top choice: it does not "see" the error there).
+5. Controls, on the same problems, cut at the same place (same step, same character offset in it; or the same
+   fraction): the **reference** worked solution (a correct prefix: the erroneous token replaced by the correct
+   one) and the **teacher's own** sampled response.
+
+Rates are means over prefixes with 95% percentile-bootstrap CIs over prefixes (`scipy.stats.bootstrap`).
+`probe(run, student_params, problems)` is the whole measurement, so a training hook can call it on a small fixed
+set; `continue_fn` replaces the teacher's continuation (tests use an oracle that writes the right solution).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats
+from tqdm.auto import tqdm
+
+from jopd.data.answers import extract_answer, is_correct, parse_number
+from jopd.data.arithmetic_steps import (check_response, fraction_cuts, local_violations, parse_reference,
+                                       prefix_char_lengths, token_at_char)
+from jopd.data.chat import prompt_ids, prompt_response_ids
+from jopd.data.problem import Problem
+from jopd.data.toy_tokenizer import special_token_ids
+from jopd.lab.measure import Estimate
+from jopd.models import transformer
+from jopd.models.config import ModelConfig
+from jopd.sampling.sampler import Sampler, SamplingConfig, bucket_size, check_prompts, row_randomness
+
+SETS = ("student_error", "reference", "teacher_own")
+SET_LABELS = {"student_error": "student's erroneous prefixes", "reference": "correct prefixes (reference)",
+              "teacher_own": "teacher's own prefixes"}
+OUTCOMES = ("recovery", "agreement", "other")
+FOLLOWS = "follows_error"  # not recovered, and the completed chain carries exactly one error (arithmetic task)
+AGREEMENT_WARNING = 0.5  # agreement above this on the student's errors: the warning
+
+# (prefixes, sample) -> the teacher's continuation text of each prefix; sample None = greedy, j = the j-th draw
+ContinueFn = Callable[[Sequence["Prefix"], "int | None"], list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeOptions:
+    samples: int = 4  # K seeded teacher continuations per prefix (0: greedy only)
+    seed: int | None = None  # None: the run's train.eval_seed
+    student_greedy: bool = False  # the student answers greedily instead of with the run's sampling
+    cut: Literal["auto", "first_error", "fractions"] = "auto"  # auto: first_error on the arithmetic task
+    fractions: tuple[float, ...] = (0.25, 0.5, 0.75)  # cut points of the fractions fallback
+    max_new_tokens: int | None = None  # response / continuation budget; None: train.eval_max_new_tokens
+    batch_size: int | None = None  # sampler rows per call; None: data.eval_batch_size
+    resamples: int = 2000  # bootstrap resamples
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """One prefix the teacher continues: prompt + the first len(response_ids) tokens of some response."""
+
+    set: str  # one of SETS
+    problem: int  # index of the problem in the probed list (= held-out id for `load_problems(..., "heldout")`)
+    position: str  # bucket: "step 1", ..., "answer" (first error) or "25%", ... (fractions)
+    kind: str  # the student's first-error kind on this problem (the same in all three sets), or "cut"
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]  # the kept response tokens
+    scored_index: int  # recognition: the teacher's next-token distribution after response_ids[:scored_index]
+    scored_id: int  # ... evaluated at this token (the erroneous token, or the correct / own token at the cut)
+    student_answer: str | None  # the student's final answer on this problem (wrong)
+    answer: str  # the reference answer
+    text: str  # the kept response tokens, decoded
+    response: str = ""  # the whole response it was cut from
+    erroneous: bool | None = None  # teacher_own: does the kept prefix contain the teacher's own first error
+
+
+# ---------------------------------------------------------------------------------------------
+# answers and outcomes
+
+
+def final_answer(text: str) -> str | None:
+    """The final answer a response ends on: the number after its last `####` (None if none)."""
+    at = text.rfind("####")
+    return None if at < 0 else extract_answer(text[at:])
+
+
+def outcome(full_text: str, answer: str, student_answer: str | None) -> str:
+    """recovery (ends on the right answer), agreement (on the student's answer; or both have none), other."""
+    got = parse_number(final_answer(full_text))
+    if got is not None and got == parse_number(answer):
+        return "recovery"
+    if got == parse_number(student_answer):
+        return "agreement"
+    return "other"
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling, keyed by problem
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """Seed of the teacher's j-th sampled continuation (distinct from the responses' own seed)."""
+    return seed + 1 + sample
+
+
+def generate_keyed(sampler: Sampler, params, prompts: Sequence[Sequence[int]], keys: Sequence[int], *, seed: int,
+                   batch: int, desc: str = "", progress: bool = True) -> list[list[int]]:
+    """Sampled token ids (stop token included) of each prompt; row i's draws come from (seed, keys[i]) whatever
+    its batch-mates, and every call is padded to `batch` rows (one compiled shape per prompt bucket)."""
+    if not prompts:
+        return []
+    check_prompts(prompts, sampler.cfg, sampler.sampling.max_new_tokens)
+    out: list[list[int]] = []
+    for lo in tqdm(range(0, len(prompts), batch), desc=desc, leave=False, disable=not progress):
+        chunk = prompts[lo:lo + batch]
+        toks, mask = sampler.pad(chunk, min_batch=batch)
+        row_keys = np.zeros(toks.shape[0], np.int64)
+        row_keys[:len(chunk)] = keys[lo:lo + batch]
+        rand = row_randomness(seed, row_keys, sampler.sampling.max_new_tokens)
+        res = sampler.sample_padded(params, toks, mask, rand)
+        tokens, lengths = np.asarray(res.tokens_BxN), np.asarray(res.lengths_B)
+        out += [tokens[b, :lengths[b]].tolist() for b in range(len(chunk))]
+    return out
+
+
+def _decode(tokenizer, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def sampler_continue_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConfig, *, seed: int,
+                        batch: int, prompt_bucket: int = 8, progress: bool = True) -> ContinueFn:
+    """The real continuation: `Sampler` on the teacher (greedy, or draw j seeded by (sample_seed, problem)).
+    The completed response keeps the responses' budget: prefix + continuation <= sampling.max_new_tokens tokens."""
+    samplers: dict[bool, Sampler] = {}
+
+    def continue_fn(prefixes: Sequence[Prefix], sample: int | None) -> list[str]:
+        greedy = sample is None
+        if greedy not in samplers:
+            samplers[greedy] = Sampler(model_cfg, dataclasses.replace(sampling, greedy=greedy,
+                                                                      return_full_logprobs=False),
+                                       min_prompt_bucket=prompt_bucket)
+        prompts = [list(p.prompt_ids) + list(p.response_ids) for p in prefixes]
+        new = generate_keyed(samplers[greedy], params, prompts, [p.problem for p in prefixes],
+                             seed=0 if greedy else sample_seed(seed, sample), batch=batch, progress=progress,
+                             desc="teacher greedy" if greedy else f"teacher sample {sample + 1}")
+        texts = []
+        for p, ids in zip(prefixes, new):
+            ids = ids[:max(0, sampling.max_new_tokens - len(p.response_ids))]  # the response's own budget
+            full = _decode(tokenizer, list(p.response_ids) + ids)  # decoded whole: BPE merges across the cut
+            texts.append(full[len(p.text):] if full.startswith(p.text) else _decode(tokenizer, ids))
+        return texts
+
+    return continue_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# recognition: one teacher forward
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature"))
+def next_token_stats(params, tokens_BxT, mask_BxT, last_B, target_B, *, cfg: ModelConfig, temperature: float):
+    """At position last_B (predicting the next token): log p(target), log p(top), top id, rank of target (1 =
+    top), under the model's next-token distribution at `temperature`. Right-padded rows."""
+    hidden_BxTxD, _ = transformer.forward(params, tokens_BxT, cfg=cfg, attn_mask_BxT=mask_BxT, return_hidden=True)
+    h_Bx1xD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)
+    logits_BxV = transformer.logits_from_hidden(params, h_Bx1xD)[:, 0].astype(jnp.float32) / temperature
+    logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+    target_logit_B = jnp.take_along_axis(logits_BxV, target_B[:, None], axis=1)[:, 0]
+    rank_B = 1 + jnp.sum(logits_BxV > target_logit_B[:, None], axis=1)
+    return (jnp.take_along_axis(logp_BxV, target_B[:, None], axis=1)[:, 0], jnp.max(logp_BxV, axis=1),
+            jnp.argmax(logits_BxV, axis=1), rank_B)
+
+
+def recognition(model_cfg: ModelConfig, params, prefixes: Sequence[Prefix], *, temperature: float, batch: int,
+                min_width: int = 32, progress: bool = True) -> dict[str, np.ndarray]:
+    """Per prefix: p_token, p_top, top_id, rank of the scored token under the teacher (see `next_token_stats`)."""
+    contexts = [list(p.prompt_ids) + list(p.response_ids[:p.scored_index]) for p in prefixes]
+    width = max(min_width, -(-max(len(c) for c in contexts) // 32) * 32)
+    cols: dict[str, list] = {"p_token": [], "p_top": [], "top_id": [], "rank": []}
+    for lo in tqdm(range(0, len(contexts), batch), desc="teacher recognition", leave=False, disable=not progress):
+        chunk = contexts[lo:lo + batch]
+        tokens_BxT = np.zeros((batch, width), np.int32)
+        mask_BxT = np.zeros((batch, width), bool)
+        mask_BxT[:, 0] = True  # filler rows: one token
+        last_B = np.zeros(batch, np.int32)
+        target_B = np.zeros(batch, np.int32)
+        for b, c in enumerate(chunk):
+            tokens_BxT[b, :len(c)] = c
+            mask_BxT[b, :len(c)] = True
+            last_B[b] = len(c) - 1
+            target_B[b] = prefixes[lo + b].scored_id
+        lp, lp_top, top, rank = jax.device_get(next_token_stats(params, tokens_BxT, mask_BxT, last_B, target_B,
+                                                                cfg=model_cfg, temperature=temperature))
+        n = len(chunk)
+        cols["p_token"] += np.exp(lp[:n]).tolist()
+        cols["p_top"] += np.exp(lp_top[:n]).tolist()
+        cols["top_id"] += top[:n].tolist()
+        cols["rank"] += rank[:n].tolist()
+    return {k: np.asarray(v) for k, v in cols.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# cutting responses into prefixes
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """One sampled (or reference) response: its tokens (stop included) and their decoded text."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+def response_of(tokenizer, ids: Sequence[int]) -> Response:
+    return Response(tuple(int(i) for i in ids), _decode(tokenizer, ids))
+
+
+def keep_through(ids: Sequence[int], token: int, specials: frozenset[int]) -> tuple[tuple[int, ...], int, int]:
+    """(kept ids, scored index, scored id) when the prefix ends at response token `token`: kept through it, or
+    up to it when it is a stop/special token (a continuation cannot start after a stop)."""
+    tok = int(ids[token])
+    kept = tuple(ids[:token] if tok in specials else ids[:token + 1])
+    return kept, token, tok
+
+
+def _position_label(step: int, n_steps: int) -> str:
+    return "answer" if step >= n_steps else f"step {step + 1}"
+
+
+def _position_key(label: str) -> float:
+    if label == "answer":
+        return 1e9
+    return float(label.rstrip("%").removeprefix("step "))
+
+
+@dataclasses.dataclass
+class _Cuts:
+    prefixes: list[Prefix]
+    skipped: dict[str, int]
+    kinds: dict[str, int]
+
+
+def _error_cuts(problem_ids: Sequence[int], problems: Sequence[Problem], prompts: Sequence[Sequence[int]],
+                student: Sequence[Response], teacher: Sequence[Response], reference: Sequence[Response],
+                tokenizer, specials: frozenset[int]) -> _Cuts:
+    """Cut the wrong responses at their first error; the controls at the same (step, offset)."""
+    out, skipped, kinds = [], {}, {}
+
+    def skip(reason):
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    for i in problem_ids:
+        prob, resp = problems[i], student[i]
+        check = check_response(resp.text, prob.solution)
+        err = check.error
+        if err is None:
+            skip("no_error_found")
+            continue
+        token = token_at_char(prefix_char_lengths(tokenizer, resp.ids), err.char)
+        if token is None:
+            skip("error_after_last_token")  # it ran out of tokens; nothing to score
+            continue
+        kinds[err.kind] = kinds.get(err.kind, 0) + 1
+        n_steps = len(parse_reference(prob.solution).steps)
+        common = dict(problem=i, position=_position_label(err.step, n_steps), kind=err.kind,
+                      prompt_ids=tuple(prompts[i]), student_answer=final_answer(resp.text), answer=prob.answer)
+        kept, j, tok = keep_through(resp.ids, token, specials)
+        out.append(Prefix(set="student_error", response_ids=kept, scored_index=j, scored_id=tok,
+                          text=_decode(tokenizer, kept), response=resp.text, **common))
+        for name, other in (("reference", reference[i]), ("teacher_own", teacher[i])):
+            other_check = check_response(other.text, prob.solution)
+            char = other_check.char_of(err.step, err.offset, len(other.text))
+            t = token_at_char(prefix_char_lengths(tokenizer, other.ids), char)
+            t = len(other.ids) - 1 if t is None else t
+            kept, j, tok = keep_through(other.ids, t, specials)
+            own_err = other_check.error
+            erroneous = None if name == "reference" else bool(own_err is not None and own_err.char <= char)
+            out.append(Prefix(set=name, response_ids=kept, scored_index=j, scored_id=tok,
+                              text=_decode(tokenizer, kept), response=other.text, erroneous=erroneous,
+                              **common))
+    return _Cuts(out, skipped, kinds)
+
+
+def _fraction_cuts(problem_ids: Sequence[int], problems: Sequence[Problem], prompts: Sequence[Sequence[int]],
+                   student: Sequence[Response], teacher: Sequence[Response], reference: Sequence[Response],
+                   tokenizer, specials: frozenset[int], fractions: Sequence[float]) -> _Cuts:
+    """Cut each wrong response (and the controls) at `fractions` of its tokens (stop token not counted)."""
+    out = []
+    for i in problem_ids:
+        common = dict(problem=i, kind="cut", prompt_ids=tuple(prompts[i]), answer=problems[i].answer,
+                      student_answer=final_answer(student[i].text))
+        for name, resp in (("student_error", student[i]), ("reference", reference[i]),
+                           ("teacher_own", teacher[i])):
+            body = [t for t in resp.ids if t not in specials] or list(resp.ids[:1])
+            for f, k in zip(fractions, fraction_cuts(len(body), fractions)):
+                kept = tuple(body[:k])
+                out.append(Prefix(set=name, position=f"{round(100 * f)}%", response_ids=kept, scored_index=k - 1,
+                                  scored_id=int(body[k - 1]), text=_decode(tokenizer, kept), response=resp.text,
+                                  **common))
+    return _Cuts(out, {}, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def estimate(x: np.ndarray, resamples: int, seed: int = 0) -> Estimate:
+    """Mean of x with a 95% percentile-bootstrap CI (degenerate when fewer than 2 rows or all equal)."""
+    x = np.asarray(x, np.float64)
+    if len(x) == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"))
+    value = float(x.mean())
+    if len(x) < 2 or np.ptp(x) == 0:
+        return Estimate(value, value, value)
+    ci = stats.bootstrap((x,), np.mean, n_resamples=resamples, method="percentile", random_state=seed,
+                         vectorized=True).confidence_interval
+    return Estimate(value, float(ci.low), float(ci.high))
+
+
+def _fmt(e: Estimate) -> str:
+    return f"{e.mean:6.1%} [{e.ci_low:6.1%}, {e.ci_high:6.1%}]"
+
+
+@dataclasses.dataclass
+class ProbeReport:
+    """Counts, per-set rates with CIs (overall and per prefix position), recognition, the verdict, and the rows."""
+
+    n_problems: int
+    n_wrong: int
+    skipped: dict[str, int]
+    kinds: dict[str, int]  # first-error kinds of the probed student responses
+    samples: int
+    cut: str
+    sets: dict[str, dict[str, Any]]  # set -> {n, greedy, sampled, recognition, by_position, [by_kind]}
+    positions: list[str]  # bucket order
+    verdict: str
+    warning: str | None
+    rows: list[dict[str, Any]]  # one per prefix (the CSV)
+    settings: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("rows")
+        return d
+
+    def table(self) -> str:
+        lines = [f"{self.n_problems} problems, {self.n_wrong} wrong student answers, "
+                 f"{self.sets['student_error']['n']} erroneous prefixes probed (cut: {self.cut}, K={self.samples})"]
+        if self.kinds:
+            lines.append("first errors: " + ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items(),
+                                                                                    key=lambda kv: -kv[1])))
+        if self.skipped:
+            lines.append("not probed: " + ", ".join(f"{k} {v}" for k, v in self.skipped.items()))
+        lines.append(f"{'prefix set':32s} {'mode':8s} {'recovery':>24s} {'agreement':>24s} {'other':>24s}")
+        for name in SETS:
+            s = self.sets[name]
+            for mode in ("greedy", "sampled"):
+                if s.get(mode):
+                    r = s[mode]
+                    lines.append(f"{SET_LABELS[name]:32s} {mode:8s} " + " ".join(
+                        f"{_fmt(Estimate(**r[o])):>24s}" for o in OUTCOMES))
+        err = self.sets["student_error"]
+        follows = [(m, err[m][FOLLOWS]) for m in ("greedy", "sampled") if err.get(m) and FOLLOWS in err[m]]
+        if follows:
+            lines.append("not recovered and carrying the error consistently to the end (follows_error): " + ", ".join(
+                f"{m} {_fmt(Estimate(**e)).strip()}" for m, e in follows))
+        lines.append(f"{'recognition at the cut':32s} {'p(token)':>24s} {'p(teacher top)':>24s} "
+                     f"{'token is top':>24s} median rank")
+        for name in SETS:
+            rec = self.sets[name]["recognition"]
+            lines.append(f"{SET_LABELS[name]:32s} " + " ".join(
+                f"{_fmt(Estimate(**rec[k])):>24s}" for k in ("p_token", "p_top", "top1")) +
+                f" {rec['median_rank']:g}")
+        lines.append(self.verdict)
+        if self.warning:
+            lines.append(self.warning)
+        return "\n".join(lines)
+
+    def save_csv(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as f:
+            if not self.rows:
+                f.write("")
+                return
+            w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
+            w.writeheader()
+            w.writerows(self.rows)
+
+    def plot(self, path: str | Path, title: str = "") -> str:
+        """Recovery and agreement vs prefix position, per prefix set and mode, with 95% CI bars."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+        x = np.arange(len(self.positions))
+        colors = {"student_error": "tab:red", "reference": "tab:green", "teacher_own": "tab:blue"}
+        for ax, what in zip(axes[0], ("recovery", "agreement")):
+            for si, name in enumerate(SETS):
+                for mode, style in (("greedy", "--"), ("sampled", "-")):
+                    pts = [(k, self.sets[name]["by_position"][p][mode][what]) for k, p in enumerate(self.positions)
+                           if p in self.sets[name]["by_position"] and self.sets[name]["by_position"][p].get(mode)]
+                    if not pts:
+                        continue
+                    xs = np.array([k for k, _ in pts]) + (si - 1) * 0.08 + (0.02 if mode == "sampled" else -0.02)
+                    m = np.array([e["mean"] for _, e in pts])
+                    err = np.array([[e["mean"] - e["ci_low"] for _, e in pts],
+                                    [e["ci_high"] - e["mean"] for _, e in pts]])
+                    ax.errorbar(xs, m, yerr=err, fmt="o", linestyle=style, color=colors[name], capsize=3,
+                                alpha=1.0 if mode == "sampled" else 0.6, markerfacecolor="none" if mode == "greedy"
+                                else colors[name], label=f"{SET_LABELS[name]} ({mode})")
+            counts = [self.sets["student_error"]["by_position"].get(p, {}).get("n", 0) for p in self.positions]
+            ax.set_xticks(x, [f"{p}\n(n={n})" for p, n in zip(self.positions, counts)])
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_ylabel(what)
+            ax.set_xlabel("prefix cut at the student's first error in" if self.cut == "first_error"
+                          else "prefix cut at this fraction of the response")
+            ax.grid(alpha=0.3)
+        axes[0][1].legend(fontsize=7, loc="best")
+        fig.suptitle(title or "teacher reliability on prefixes (95% bootstrap CIs)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return str(path)
+
+    def save(self, json_path: str | Path, title: str = "") -> dict[str, str]:
+        """JSON report at `json_path`; the CSV and PNG beside it (same stem)."""
+        json_path = Path(json_path)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        csv_path, png_path = json_path.with_suffix(".csv"), json_path.with_suffix(".png")
+        self.save_csv(csv_path)
+        self.plot(png_path, title)
+        return {"json": str(json_path), "csv": str(csv_path), "png": str(png_path)}
+
+
+def _rates(values_NxM: np.ndarray, resamples: int) -> dict[str, dict[str, float]]:
+    """The three outcome rates (columns 0-2), and `follows_error` (column 3) where it was measured."""
+    out = {o: estimate(values_NxM[:, k], resamples).to_dict() for k, o in enumerate(OUTCOMES)}
+    if values_NxM.shape[1] > len(OUTCOMES) and not np.isnan(values_NxM[:, len(OUTCOMES)]).any():
+        out[FOLLOWS] = estimate(values_NxM[:, len(OUTCOMES)], resamples).to_dict()
+    return out
+
+
+def _recognition_summary(rec: dict[str, np.ndarray], resamples: int) -> dict[str, Any]:
+    return {"p_token": estimate(rec["p_token"], resamples).to_dict(),
+            "p_top": estimate(rec["p_top"], resamples).to_dict(),
+            "top1": estimate(rec["rank"] == 1, resamples).to_dict(),
+            "median_rank": float(np.median(rec["rank"])) if len(rec["rank"]) else float("nan")}
+
+
+def _set_summary(rows: list[dict[str, Any]], greedy: np.ndarray, sampled: np.ndarray | None,
+                 rec: dict[str, np.ndarray], resamples: int, by_kind: bool) -> dict[str, Any]:
+    def block(sel: np.ndarray) -> dict[str, Any]:
+        return {"n": int(sel.sum()), "greedy": _rates(greedy[sel], resamples),
+                "sampled": _rates(sampled[sel], resamples) if sampled is not None else None}
+
+    everything = np.ones(len(rows), bool)
+    out = block(everything) | {"recognition": _recognition_summary(rec, resamples)}
+    positions = np.array([r["position"] for r in rows])
+    out["by_position"] = {p: block(positions == p) for p in sorted(set(positions), key=_position_key)}
+    if by_kind:
+        kinds = np.array([r["kind"] for r in rows])
+        out["by_kind"] = {k: block(kinds == k) | {"recognition": _recognition_summary(
+            {n: v[kinds == k] for n, v in rec.items()}, resamples)} for k in sorted(set(kinds))}
+    erroneous = [r["prefix_erroneous"] for r in rows if r["prefix_erroneous"] != ""]
+    if erroneous:
+        out["n_prefix_erroneous"] = int(sum(erroneous))
+    return out
+
+
+def verdict(sets: dict[str, dict[str, Any]], samples: int) -> tuple[str, str | None]:
+    """One line on the teacher's reliability on the student's errors, and the warning when it mostly agrees."""
+    mode = "sampled" if samples > 0 else "greedy"
+    err, ref = sets["student_error"], sets["reference"]
+    if err["n"] == 0:
+        return "verdict: no erroneous prefixes to probe (the student got every probed problem right)", None
+    rec, agr = Estimate(**err[mode]["recovery"]), Estimate(**err[mode]["agreement"])
+    ref_rec = Estimate(**ref[mode]["recovery"])
+    sees = 1.0 - err["recognition"]["top1"]["mean"]
+    if rec.mean >= 0.5:
+        gist = "it mostly escapes the student's errors"
+    elif sees >= 0.5:
+        gist = "it sees most errors but does not escape them"
+    else:
+        gist = "it neither sees nor escapes most errors"
+    follows = Estimate(**err[mode][FOLLOWS]) if FOLLOWS in err[mode] else None
+    carried = (f", and carries it consistently to a wrong answer {follows.mean:.0%} [{follows.ci_low:.0%}, "
+               f"{follows.ci_high:.0%}]" if follows else "")
+    line = (f"verdict ({mode}{f', K={samples}' if samples else ''}): from the student's erroneous prefixes the "
+            f"teacher recovers {rec.mean:.0%} [{rec.ci_low:.0%}, {rec.ci_high:.0%}], ends on the student's wrong "
+            f"answer {agr.mean:.0%} [{agr.ci_low:.0%}, {agr.ci_high:.0%}]{carried}; from correct prefixes it "
+            f"reaches the answer {ref_rec.mean:.0%} [{ref_rec.ci_low:.0%}, {ref_rec.ci_high:.0%}]; at the error "
+            f"its own top choice is another token {sees:.0%} of the time: {gist}.")
+    warns = []
+    if agr.mean > AGREEMENT_WARNING:
+        warns.append(f"WARNING: the teacher mostly agrees with the student's errors ({agr.mean:.0%} of erroneous "
+                     f"prefixes end on the student's wrong answer): its supervision on such prefixes is noise.")
+    if follows is not None and follows.mean > AGREEMENT_WARNING:
+        warns.append(f"WARNING: the teacher mostly writes along the student's errors ({follows.mean:.0%} of erroneous "
+                     f"prefixes carried consistently to a wrong answer): on such prefixes its supervision "
+                     f"reinforces the error instead of correcting it.")
+    return line, "\n".join(warns) or None
+
+
+# ---------------------------------------------------------------------------------------------
+# the probe
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What one probe call needs, resolved once from the run and the options."""
+
+    tokenizer: Any
+    student_cfg: ModelConfig
+    teacher_cfg: ModelConfig
+    teacher_params: Any
+    sampling: SamplingConfig  # the run's, with the responses' budget
+    cut: str
+    seed: int
+    batch: int
+    bucket: int  # the one prompt bucket of every sampler call (prompt + prefix fit)
+    system_prompt: str | None
+    specials: frozenset[int]
+
+
+def _setup(run, options: ProbeOptions) -> _Setup:
+    cfg = run.cfg
+    if options.samples < 0:
+        raise ValueError(f"samples: must be >= 0, got {options.samples}")
+    cut = options.cut if options.cut != "auto" else ("first_error" if cfg.data.task == "arithmetic" else "fractions")
+    if cut == "first_error" and cfg.data.task != "arithmetic":
+        raise ValueError(f"cut=first_error: needs data.task=arithmetic (steps are checkable), got {cfg.data.task}")
+    sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=False,
+                                   max_new_tokens=options.max_new_tokens or cfg.train.eval_max_new_tokens)
+    teacher = jax.device_get(run.teacher_params) if jax.process_count() == 1 else run.teacher_params
+    return _Setup(tokenizer=run.tokenizer, student_cfg=run.step.student_cfg, teacher_cfg=run.step.teacher_cfg,
+                  teacher_params=teacher, sampling=sampling, cut=cut,
+                  seed=cfg.train.eval_seed if options.seed is None else options.seed,
+                  batch=options.batch_size or cfg.data.eval_batch_size,
+                  bucket=bucket_size(cfg.data.max_prompt_len + sampling.max_new_tokens, minimum=8, pow2_up_to=256),
+                  system_prompt=cfg.data.system_prompt, specials=frozenset(special_token_ids(run.tokenizer)))
+
+
+def _responses(su: _Setup, model_cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], keys: Sequence[int],
+               *, greedy: bool, desc: str, progress: bool) -> list[Response]:
+    sampler = Sampler(model_cfg, dataclasses.replace(su.sampling, greedy=greedy), min_prompt_bucket=su.bucket)
+    ids = generate_keyed(sampler, params, prompts, keys, seed=su.seed, batch=su.batch, desc=desc, progress=progress)
+    return [response_of(su.tokenizer, x) for x in ids]
+
+
+@dataclasses.dataclass
+class _Continued:
+    values: np.ndarray  # [draws, prefixes, 4]: one-hot outcome (OUTCOMES), then follows_error (NaN: not measured)
+    answers: list[list[str | None]]  # [draws][prefixes] the final answer each completed response ends on
+    greedy_texts: list[str]  # the greedy continuations
+
+
+def _continue_all(prefixes: Sequence[Prefix], cont: ContinueFn, samples: int, solutions: dict[int, str] | None
+                  ) -> _Continued:
+    """Greedy then K sampled continuations of every prefix, scored. `solutions` (problem -> worked solution):
+    measure follows_error on the student's prefixes."""
+    draws = [None] + list(range(samples))
+    values = np.zeros((len(draws), len(prefixes), len(OUTCOMES) + 1))
+    values[..., len(OUTCOMES)] = np.nan
+    answers, greedy_texts = [], []
+    for d, sample in enumerate(draws):
+        texts = cont(prefixes, sample)
+        if len(texts) != len(prefixes):
+            raise ValueError(f"continue_fn: returned {len(texts)} continuations for {len(prefixes)} prefixes")
+        greedy_texts = texts if sample is None else greedy_texts
+        answers.append([])
+        for k, (p, t) in enumerate(zip(prefixes, texts)):
+            full = p.text + t
+            result = outcome(full, p.answer, p.student_answer)
+            values[d, k, OUTCOMES.index(result)] = 1
+            if solutions is not None and p.set == "student_error":
+                values[d, k, -1] = result != "recovery" and local_violations(full, solutions[p.problem]) == 1
+            answers[-1].append(final_answer(full))
+    return _Continued(values, answers, list(greedy_texts))
+
+
+def _cell(x: float, fmt: str = ".4g") -> str:
+    return "" if np.isnan(x) else format(x, fmt)
+
+
+def _rows(prefixes: Sequence[Prefix], done: _Continued, rec: dict[str, np.ndarray], tokenizer) -> list[dict]:
+    """One CSV row per prefix."""
+    greedy_N, sampled_N = done.values[0], done.values[1:].mean(0) if len(done.values) > 1 else None
+    rows = []
+    for k, p in enumerate(prefixes):
+        row = {"set": p.set, "problem": p.problem, "position": p.position, "kind": p.kind,
+               "kept_tokens": len(p.response_ids), "scored_index": p.scored_index, "prefix": p.text,
+               "scored_token": tokenizer.decode([p.scored_id]),
+               "teacher_top_token": tokenizer.decode([int(rec["top_id"][k])]),
+               "p_token": f"{rec['p_token'][k]:.6g}", "p_top": f"{rec['p_top'][k]:.6g}", "rank": int(rec["rank"][k]),
+               "student_answer": p.student_answer or "", "answer": p.answer,
+               "greedy_outcome": OUTCOMES[int(np.argmax(greedy_N[k, :len(OUTCOMES)]))],
+               "greedy_answer": done.answers[0][k] or "", "greedy_follows_error": _cell(greedy_N[k, -1], "g"),
+               "greedy_continuation": done.greedy_texts[k], "response": p.response}
+        if sampled_N is not None:
+            row |= {f"sampled_{o}": _cell(sampled_N[k, j]) for j, o in enumerate((*OUTCOMES, FOLLOWS))}
+        rows.append(row | {"prefix_erroneous": "" if p.erroneous is None else int(p.erroneous)})
+    return rows
+
+
+def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOptions = ProbeOptions(),
+          continue_fn: ContinueFn | None = None) -> ProbeReport:
+    """The teacher-reliability probe of `run` (a `jopd.opd.loop.OPDRun`: teacher, tokenizer, sampling, data
+    config) with the student at `student_params`, on `problems` (keyed by their position in the list).
+    `continue_fn` replaces the teacher's continuation (default: `sampler_continue_fn` on the teacher).
+    Pure measurement (no files): a training hook can call it on a small fixed set every N steps."""
+    if not problems:
+        raise ValueError("probe: no problems given")
+    su = _setup(run, options)
+    tok, progress = su.tokenizer, options.progress
+    student_params = jax.device_get(student_params) if jax.process_count() == 1 else student_params
+
+    prompts = [prompt_ids(tok, p.question, su.system_prompt) for p in problems]
+    student = _responses(su, su.student_cfg, student_params, prompts, range(len(problems)),
+                         greedy=options.student_greedy, desc="student", progress=progress)
+    wrong = [i for i, (p, r) in enumerate(zip(problems, student)) if not is_correct(r.text, p.answer)]
+    # a wrong first answer restated right at the end would count as both recovery and agreement: not probed
+    restated = {i for i in wrong if outcome(student[i].text, problems[i].answer, None) == "recovery"}
+    wrong = [i for i in wrong if i not in restated]
+    teacher = dict(zip(wrong, _responses(su, su.teacher_cfg, su.teacher_params, [prompts[i] for i in wrong], wrong,
+                                         greedy=False, desc="teacher own", progress=progress)))
+    reference = {i: response_of(tok, prompt_response_ids(tok, problems[i].question, problems[i].solution,
+                                                         su.system_prompt)[1]) for i in wrong}
+    args = (wrong, problems, prompts, student, teacher, reference, tok, su.specials)
+    cuts = _error_cuts(*args) if su.cut == "first_error" else _fraction_cuts(*args, options.fractions)
+    if restated:
+        cuts.skipped["answer_restated_right"] = len(restated)
+    prefixes = cuts.prefixes
+
+    cont = continue_fn or sampler_continue_fn(su.teacher_cfg, su.teacher_params, tok, su.sampling, seed=su.seed,
+                                              batch=su.batch, prompt_bucket=su.bucket, progress=progress)
+    solutions = {i: problems[i].solution for i in wrong} if su.cut == "first_error" else None
+    done = _continue_all(prefixes, cont, options.samples, solutions) if prefixes else \
+        _Continued(np.zeros((1 + options.samples, 0, len(OUTCOMES) + 1)), [[]], [])
+    rec = (recognition(su.teacher_cfg, su.teacher_params, prefixes, temperature=su.sampling.temperature,
+                       batch=su.batch, min_width=su.bucket, progress=progress) if prefixes
+           else {k: np.zeros(0) for k in ("p_token", "p_top", "top_id", "rank")})
+    rows = _rows(prefixes, done, rec, tok)
+
+    sets = {}
+    for name in SETS:
+        sel = np.array([p.set == name for p in prefixes], bool)
+        sampled = done.values[1:, sel].mean(0) if options.samples else None
+        sets[name] = _set_summary([r for r, s in zip(rows, sel) if s], done.values[0, sel], sampled,
+                                  {n: v[sel] for n, v in rec.items()}, options.resamples,
+                                  by_kind=name == "student_error" and su.cut == "first_error")
+    line, warn = verdict(sets, options.samples)
+    sp = su.sampling
+    settings = {"seed": su.seed, "student_greedy": options.student_greedy, "samples": options.samples,
+                "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+                "max_new_tokens": sp.max_new_tokens,
+                "fractions": list(options.fractions) if su.cut == "fractions" else None,
+                "resamples": options.resamples, "task": run.cfg.data.task}
+    return ProbeReport(n_problems=len(problems), n_wrong=len(wrong) + len(restated), skipped=cuts.skipped,
+                       kinds=cuts.kinds, samples=options.samples, cut=su.cut, sets=sets,
+                       positions=sorted({p.position for p in prefixes}, key=_position_key), verdict=line,
+                       warning=warn, rows=rows, settings=settings)
