@@ -7,6 +7,12 @@ rise = mean(run)/mean(base) - 1; a 95% paired (percentile) bootstrap CI of the m
 the base seeds' own spread, and the per-run rule for every pair of seeds.
 Exit code: 0 PASS, 1 FAIL (the seed-aware verdict when more seeds are given), 2 bad input (e.g. differing
 problem sets).
+
+With --rl (reward-trained runs: REINFORCE, GRPO; BASE = the same method at the standard engine), the broke
+criterion of `jopd.lab.rl_verdict` instead: BROKE iff held-out accuracy is below BASE's by >= --acc-margin with
+the paired bootstrap interval of the per-problem difference excluding 0, or a collapse signal over the run's
+last 20% of steps (reward < --collapse-reward while BASE's was higher, entropy < --collapse-entropy, >= 95% of
+rollouts at max_new_tokens, any NaN). Exit code: 0 OK, 1 BROKE, 2 bad input.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="another training seed of the run (repeatable)")
     p.add_argument("--base-also", action="append", default=[], metavar="DIR",
                    help="another training seed of the base (repeatable)")
+    rl = p.add_argument_group("RL runs (--rl): the broke criterion instead of the quality rule")
+    rl.add_argument("--rl", action="store_true", help="judge reward-trained runs by the broke criterion")
+    rl.add_argument("--acc-margin", type=float, default=0.05,
+                    help="absolute held-out accuracy drop that breaks a run (default 0.05)")
+    rl.add_argument("--collapse-reward", type=float, default=0.02,
+                    help="mean reward over the last 20%% of steps below this (base higher) is a collapse (0.02)")
+    rl.add_argument("--collapse-entropy", type=float, default=0.05,
+                    help="mean entropy (nats/token) over the last 20%% of steps below this is a collapse (0.05)")
 
 
 def _fmt(v: float | None, spec: str = ".4f") -> str:
@@ -74,9 +88,50 @@ def _seed_table(s, run_dirs: list[str], base_dirs: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _rl_table(v, eval_name: str, run_dir: str, base_dir: str) -> str:
+    a, c, b, k = v.accuracy, v.collapse, v.base_collapse, v.criterion
+    pct = f"{k.confidence:.0%}"
+    lines = [f"jopd compare --rl: eval/{eval_name}.csv, {a.n} problems paired", f"  run:  {run_dir}",
+             f"  base: {base_dir}", f"  {'':40s} {'base':>10s} {'run':>10s}",
+             f"  {'held-out accuracy':40s} {a.base_accuracy:>10.3f} {a.run_accuracy:>10.3f}",
+             f"  {'accuracy difference (run - base)':40s} {a.diff_mean:+.3f}  {pct} CI [{a.ci_low:+.3f}, "
+             f"{a.ci_high:+.3f}] (margin {a.margin:.3f})",
+             f"  last {k.tail:.0%} of steps (run {c.steps[0]}-{c.steps[1]}, base {b.steps[0]}-{b.steps[1]}):"]
+    rows = [("mean reward", b.reward, c.reward, f"< {k.collapse_reward} with the base higher"),
+            ("mean entropy (nats/token)", b.entropy, c.entropy, f"< {k.collapse_entropy}"),
+            (f"rollouts at the cap ({c.at_cap_source})", b.at_cap, c.at_cap, f">= {k.cap_fraction}")]
+    lines += [f"    {name:38s} {_fmt(x):>10s} {_fmt(y):>10s}   collapse if {rule}" for name, x, y, rule in rows]
+    lines += [f"    {'non-finite metric':38s} {b.nonfinite or 'none':>10s} {c.nonfinite or 'none':>10s}",
+              f"  {'accuracy check':40s} {'BROKE' if a.broke else 'ok'}: {a.reason}",
+              f"  {'collapse check':40s} " + ("BROKE: " + "; ".join(c.signals) if c.broke else "ok: no signal")]
+    if b.broke:
+        lines.append(f"  warning: the base itself shows collapse signals ({'; '.join(b.signals)})")
+    lines.append(f"  {'verdict':40s} {v.verdict}")
+    return "\n".join(lines)
+
+
+def run_rl(args: argparse.Namespace) -> int:
+    from jopd.lab import rl_verdict as rv
+
+    if args.run_also or args.base_also:
+        raise ValueError("--rl: judges one run against one base (no --run-also / --base-also); run it per seed")
+    crit = rv.Criterion(acc_margin=args.acc_margin, collapse_reward=args.collapse_reward,
+                        collapse_entropy=args.collapse_entropy, resamples=args.resamples, seed=args.seed)
+    v = rv.rl_verdict(args.run_dir, args.base_dir, args.eval_name, crit)
+    print(_rl_table(v, args.eval_name, args.run_dir, args.base_dir))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result = {"run_dir": args.run_dir, "base_dir": args.base_dir, "eval": args.eval_name, **v.to_dict()}
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return 1 if v.verdict == "BROKE" else 0
+
+
 def run(args: argparse.Namespace) -> int:
     from jopd.lab import quality as q
 
+    if args.rl:
+        return run_rl(args)
     if args.resamples < 1:
         raise ValueError(f"--resamples: must be >= 1, got {args.resamples}")
     if not (args.threshold >= 0 and args.threshold != float("inf")):

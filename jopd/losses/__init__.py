@@ -12,11 +12,13 @@ from jopd.losses.divergences import (cross_entropy, forward_kl, generalized_jsd,
 from jopd.losses.is_correction import importance_ratio, importance_weights, is_metrics, mismatch_estimators
 from jopd.losses.masks import loss_mask, masked_mean
 from jopd.losses.objectives import OBJECTIVES, token_loss, token_loss_from_logits
-from jopd.losses.policy_gradient import discounted_future_sum, opd_advantages, policy_gradient_surrogate
+from jopd.losses.policy_gradient import (clipped_ratio_surrogate, discounted_future_sum, opd_advantages,
+                                         policy_gradient_surrogate, reference_kl_k3, softmax_entropy)
 
 __all__ = [
     "LossBatch", "LossConfig", "OBJECTIVES", "token_loss", "token_loss_from_logits", "teacher_scores", "teacher_topk",
     "chunked_logits_map", "topk_reverse_kl", "topk_tail_reverse_kl", "reverse_kl", "forward_kl", "generalized_jsd", "cross_entropy",
     "token_logprobs", "importance_ratio", "importance_weights", "is_metrics", "mismatch_estimators",
     "loss_mask", "masked_mean", "discounted_future_sum", "opd_advantages", "policy_gradient_surrogate",
+    "clipped_ratio_surrogate", "reference_kl_k3", "softmax_entropy",
 ]

@@ -26,6 +26,7 @@ class LossBatch:
     sampler_logprobs_BxT: Float[Array, "B T"] | None = None  # log q(target) from the rollout engine
     sampler_full_logprobs_BxTxV: Float[Array, "B T V"] | None = None  # the sampler's log-softmax (exact mismatch)
     advantages_BxT: Float[Array, "B T"] | None = None  # per-token advantages (RL kinds)
+    reference_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_ref(target), frozen reference (KL term)
     token_normalizer: Float[Array, ""] | None = None  # replaces the count of loss tokens as the denominator
 
     def present(self) -> tuple[str, ...]:

@@ -43,6 +43,14 @@ class LossConfig:
     special_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
     # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats).
     chunk_size: Annotated[int, pydantic.Field(ge=1)] = 128
+    # RL kinds (reinforce / grpo). Set them as `rl.*` in a run config: `opd.step.build_step` copies them here
+    # (like `temperature` from the sampler), so the per-token loss reads one config.
+    # grpo: PPO's clipped ratio r = pi_theta(y) / pi_sampler(y), clipped to [1 - clip_eps, 1 + clip_eps_high].
+    clip_eps: Annotated[float, pydantic.Field(gt=0.0, lt=1.0)] = 0.2
+    clip_eps_high: Annotated[float, _Pos] | None = None  # None: clip_eps
+    kl_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0  # + kl_coef * k3(pi_theta || pi_ref) per token
+    # Denominator = rows x response slots (a constant per batch shape) instead of the count of loss tokens.
+    token_sum_norm: bool = False
 
     @pydantic.field_validator("icepop_high")
     @classmethod
@@ -51,3 +59,9 @@ class LossConfig:
         if low is not None and high <= low:
             raise ValueError(f"must be above icepop_low={low}, got {high}")
         return high
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high) bounds of the grpo ratio."""
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        return 1.0 - self.clip_eps, 1.0 + high

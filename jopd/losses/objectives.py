@@ -6,8 +6,18 @@ Alignment convention: every [B, T, ...] field of `LossBatch` describes hidden po
 Normalization ("token-level", as in DAPO): loss = sum over unmasked (b, t) of w_bt * l_bt / N, where N is the
 number of unmasked positions in the batch (response mask AND target not a special token), or the
 `token_normalizer` field when given (e.g. the token count of the whole batch across gradient-accumulation
-micro-batches). IS weights w are stop-gradient; IcePop-dropped tokens get w = 0 but still count in N, so the
-per-token scale does not depend on how many were dropped.
+micro-batches), or, with `LossConfig.token_sum_norm` (Dr. GRPO), the constant B * T (rows x response slots; T =
+the sampler's max_new_tokens): a micro-batch of B/n rows then divides by (B/n) * T, so the mean over the
+micro-batches equals the whole batch's token sum / (B T). IS weights w are stop-gradient; IcePop-dropped tokens
+get w = 0 but still count in N, so the per-token scale does not depend on how many were dropped.
+
+RL kinds: reinforce is -A log pi_s(y) per token; grpo is PPO's clipped ratio against the sampler's log-probs
+(`sampler_logprobs_BxT`, the behaviour policy): -min(r A, clip(r, 1 - eps, 1 + eps_high) A), r = pi_s / pi_b.
+The ratio already weights every token by pi_s / pi_b, so for grpo `is_mode` does not multiply a second IS
+weight in: it bounds the one in the ratio, with factor w(r) / r (none: 1; tis: min(1, cap / r), i.e. the
+effective weight min(r, cap), a cap for the negative-advantage tokens that the clip leaves unbounded; icepop:
+1 inside [icepop_low, icepop_high], else 0, the token dropped). Both kinds add `kl_coef` * k3(pi_s || pi_ref)
+per token when a reference is given (`reference_logprobs_BxT`).
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ from jopd.losses.chunked import chunked_logits_map
 from jopd.losses.config import LossConfig
 from jopd.losses.is_correction import importance_ratio, importance_weights, is_metrics, mismatch_estimators
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
-from jopd.losses.policy_gradient import opd_advantages, policy_gradient_surrogate
+from jopd.losses.policy_gradient import (clipped_ratio_surrogate, opd_advantages, policy_gradient_surrogate,
+                                         reference_kl_k3, softmax_entropy)
 from jopd.models.config import ModelConfig
 
 Metrics = dict[str, jax.Array]
@@ -97,10 +108,16 @@ OBJECTIVES: dict[str, Objective] = {
     "fkl": Objective(("teacher_logits_BxTxV",), (), _full(lambda cfg, s, t: div.forward_kl(s, t))),
     "jsd": Objective(("teacher_logits_BxTxV",), (), _full(lambda cfg, s, t: div.generalized_jsd(s, t, cfg.jsd_beta))),
     "sft": Objective((), (), _none),
-    # RL baselines: advantages from correctness rewards (computed on the host by `jopd.rl`), one per token.
+    # RL baselines: advantages from correctness rewards (computed on the host by `jopd.rl`), one per token;
+    # grpo's clipped ratio reads the sampler's log-probs of the sampled tokens (the behaviour policy).
     "reinforce": Objective((), ("advantages_BxT",), _none, uses_rewards=True),
-    "grpo": Objective((), ("advantages_BxT",), _none, grouped=True, uses_rewards=True),
+    "grpo": Objective((), ("advantages_BxT", "sampler_logprobs_BxT"), _none, grouped=True, uses_rewards=True),
 }
+
+
+def needs_reference(cfg: LossConfig) -> bool:
+    """The loss reads `reference_logprobs_BxT` (the KL term of the RL kinds)."""
+    return OBJECTIVES[cfg.kind].uses_rewards and cfg.kl_coef > 0
 
 
 def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -109,6 +126,8 @@ def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax
         logits = logits / cfg.temperature
     out = {"target_logprobs": div.token_logprobs(logits, inp["targets_BxT"])}
     out.update(OBJECTIVES[cfg.kind].per_position(cfg, logits, inp))
+    if OBJECTIVES[cfg.kind].uses_rewards:  # the policy's entropy on its rollout: needs the full logits
+        out["entropy"] = softmax_entropy(logits)
     if "sampler_full_logprobs_BxTxV" in inp:  # exact mismatch KL(sampler || trainer), full vocab, no gradient
         out["mismatch_kl"] = div.reverse_kl(inp["sampler_full_logprobs_BxTxV"].astype(jnp.float32),
                                             jax.lax.stop_gradient(logits))
@@ -125,9 +144,11 @@ def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None) -> 
     """Every field the kind needs is set, and every set field starts with (B, T) (trace time: shapes only)."""
     obj = OBJECTIVES[cfg.kind]
     needed = obj.fields + (("sampler_logprobs_BxT",) if cfg.is_mode != "none" else ())
+    needed += ("reference_logprobs_BxT",) if needs_reference(cfg) else ()
     for name in needed:
         if getattr(batch, name) is None:
-            why = f"is_mode={cfg.is_mode!r}" if name == "sampler_logprobs_BxT" else f"kind={cfg.kind!r}"
+            why = (f"is_mode={cfg.is_mode!r}" if name == "sampler_logprobs_BxT" and cfg.kind != "grpo" else
+                   f"kl_coef={cfg.kl_coef}" if name == "reference_logprobs_BxT" else f"kind={cfg.kind!r}")
             raise ValueError(f"LossBatch.{name}: missing (needed by LossConfig.{why})")
     B, T = batch.targets_BxT.shape
     for name in batch.present():
@@ -144,12 +165,42 @@ def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None) -> 
                          f"student vocab {vocab}")
 
 
+def _rl_terms(cfg: LossConfig, logp: jax.Array, terms: Mapping[str, jax.Array], batch: LossBatch, mask: jax.Array,
+              weights: jax.Array) -> tuple[jax.Array, Metrics, jax.Array]:
+    """reinforce / grpo: (per-position loss, metrics, per-position weights); see the module docstring."""
+    logp_sg = jax.lax.stop_gradient(logp)
+    adv = jax.lax.stop_gradient(batch.advantages_BxT.astype(jnp.float32))
+    metrics: Metrics = {"advantage_mean": masked_mean(adv, mask),
+                        "divergence": masked_mean(-logp_sg, mask),  # NLL of the sampled tokens (no teacher)
+                        "entropy": masked_mean(terms["entropy"], mask)}
+    if cfg.kind == "grpo":
+        low, high = cfg.clip_range
+        per_position, ratio, blocked = clipped_ratio_surrogate(logp, batch.sampler_logprobs_BxT.astype(jnp.float32),
+                                                               adv, low, high)
+        # the ratio is the IS weight already: is_mode bounds it instead of multiplying a second one in
+        weights = weights / ratio if cfg.is_mode != "none" else jnp.ones_like(weights)
+        metrics |= {"ratio_mean": masked_mean(ratio, mask),
+                    "clip_frac": masked_mean(blocked.astype(jnp.float32), mask)}
+    else:
+        per_position = policy_gradient_surrogate(logp, adv)
+    if needs_reference(cfg):
+        kl = reference_kl_k3(logp, batch.reference_logprobs_BxT.astype(jnp.float32))
+        per_position = per_position + cfg.kl_coef * kl
+        metrics["kl_ref"] = masked_mean(jax.lax.stop_gradient(kl), mask)
+    return per_position, metrics, weights
+
+
 def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -> tuple[jax.Array, Metrics]:
     """Per-position terms [B, T] -> (scalar loss, metrics); masks, IS weights and normalization live here."""
     mask = loss_mask(batch.response_mask_BxT, batch.targets_BxT, cfg.special_token_ids)
     n_tokens = jnp.sum(mask).astype(jnp.float32)
     denom = batch.token_normalizer
-    denom = jnp.maximum(n_tokens, 1.0) if denom is None else jnp.asarray(denom, jnp.float32)
+    if denom is not None:
+        denom = jnp.asarray(denom, jnp.float32)
+    elif cfg.token_sum_norm:
+        denom = jnp.asarray(float(mask.size), jnp.float32)  # rows x response slots: a constant of the shape
+    else:
+        denom = jnp.maximum(n_tokens, 1.0)
     logp = terms["target_logprobs"]
     logp_sg = jax.lax.stop_gradient(logp)
     metrics: Metrics = {"num_tokens": n_tokens, "target_logprob": masked_mean(logp_sg, mask)}
@@ -171,10 +222,8 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -
         metrics["divergence"] = masked_mean(logp_sg - teacher, mask)  # sampled reverse-KL estimate (k1)
         metrics["advantage_mean"] = masked_mean(adv, mask)
     elif OBJECTIVES[cfg.kind].uses_rewards:
-        adv = jax.lax.stop_gradient(batch.advantages_BxT.astype(jnp.float32))
-        per_position = policy_gradient_surrogate(logp, adv)
-        metrics["advantage_mean"] = masked_mean(adv, mask)
-        metrics["divergence"] = masked_mean(-logp_sg, mask)  # NLL of the sampled tokens (no teacher involved)
+        per_position, rl_metrics, weights = _rl_terms(cfg, logp, terms, batch, mask, weights)
+        metrics |= rl_metrics
     else:
         per_position = -logp if cfg.kind == "sft" else terms["divergence"]
         metrics["divergence"] = masked_mean(jax.lax.stop_gradient(per_position), mask)
@@ -213,13 +262,17 @@ def token_loss(
     `batch` fields (see `LossBatch`; each kind's needs are declared in `OBJECTIVES`): targets and response
     mask always; teacher top-K ids/log-probs (topk kinds, K = cfg.top_k, from `teacher_scores`); teacher
     target log-probs (sampled_opd, and the teacher_kl_k1 metric); full teacher logits (rkl / fkl / jsd);
-    advantages (reinforce / grpo); sampler log-probs of the targets (required if is_mode != none, otherwise
-    optional: mismatch and IS metrics); the sampler's full log-softmax (optional: the exact mismatch_kl);
+    advantages (reinforce / grpo); reference log-probs (reinforce / grpo with kl_coef > 0); sampler log-probs
+    of the targets (required by grpo and if is_mode != none, otherwise optional: mismatch and IS metrics); the
+    sampler's full log-softmax (optional: the exact mismatch_kl);
     token_normalizer (optional denominator).
 
     Metrics: loss, num_tokens, divergence (mean unweighted per-token objective: truncated/full divergence,
     NLL for sft, sampled reverse-KL k1 for sampled_opd), target_logprob; topk_rkl adds topk_mass (student's
-    full-softmax mass on the teacher's top-K) and teacher_topk_mass; sampled_opd adds advantage_mean; with
+    full-softmax mass on the teacher's top-K) and teacher_topk_mass; sampled_opd adds advantage_mean; reinforce
+    and grpo add advantage_mean, entropy (of the student's distribution at the temperature, mean per token) and,
+    with kl_coef > 0, kl_ref (k3 of KL(student || reference)); grpo adds ratio_mean (pi_s / pi_sampler) and
+    clip_frac (tokens whose gradient the clip blocks); with
     sampler_logprobs: is_ratio_mean, is_weight_mean, is_ess, is_frac_truncated, is_frac_dropped, mismatch_k1,
     mismatch_k3, mismatch_mean_abs_dprob, mismatch_max_abs_dprob, mismatch_ess.
     """

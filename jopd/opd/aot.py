@@ -344,22 +344,28 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     sample = jax.eval_shape(step.sampler.program, sampler_params, prompt, prompt_mask, rand, cache)._replace(cache=None)
     sample = _abstract(sample, jax.tree.map(lambda _: sh.batch, sample))
     advantages = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
-    batch = jax.eval_shape(step.score_fn, teacher, prompt, prompt_mask, sample, advantages)
+    # the frozen KL reference (rl.kl_coef > 0): the starting student's shapes in the trainer layout
+    reference = (state.params,) if step.uses_reference else ()
+    batch = jax.eval_shape(step.score_fn, teacher, prompt, prompt_mask, sample, advantages, *reference)
     batch = _abstract(batch, jax.tree.map(lambda _: sh.batch, batch))
 
     buffers = {"train_state": _bytes(state), "teacher_params": _bytes(teacher),
                "sampler_params": _bytes(sampler_params), "kv_cache": _bytes(cache), "rollout": _bytes(sample)}
+    frozen = ("teacher_params",)  # held all run long
+    if reference:
+        buffers["reference_params"] = _bytes(reference)
+        frozen += ("reference_params",)
     held = lambda *names: {k: buffers[k] for k in names}  # noqa: E731
     # `jopd train`'s loop: the sampler keeps its KV cache between steps; the sampler params and the rollout live
     # until the train step is dispatched; the train state is donated to (and replaced by) the train step.
     programs = {
         "weight_sync": (lambda: step.sync_fn.lower(state.params, key),
                         {"opt_state": buffers["train_state"] - _bytes(state.params)}
-                        | held("teacher_params", "kv_cache")),
+                        | held(*frozen, "kv_cache")),
         "sample": (lambda: step.sampler.program.lower(sampler_params, prompt, prompt_mask, rand, cache),
-                   held("train_state", "teacher_params")),
-        "teacher_scoring": (lambda: step.score_fn.lower(teacher, prompt, prompt_mask, sample, advantages),
+                   held("train_state", *frozen)),
+        "teacher_scoring": (lambda: step.score_fn.lower(teacher, prompt, prompt_mask, sample, advantages, *reference),
                             held("train_state", "sampler_params", "kv_cache", "rollout")),
-        "train_step": (lambda: step.update_fn.lower(state, batch), held("teacher_params", "kv_cache")),
+        "train_step": (lambda: step.update_fn.lower(state, batch), held(*frozen, "kv_cache")),
     }
     return programs, buffers

@@ -29,7 +29,8 @@ from jopd.opd.train_state import TrainState
 from jopd.parallel import mesh as meshlib
 from jopd.parallel.distributed import maybe_initialize
 
-CURVES = ["loss", "reward", "divergence", "teacher_kl_k1", "topk_mass", "mismatch_kl", "response_len", "tokens_per_s"]
+CURVES = ["loss", "reward", "entropy", "clip_frac", "divergence", "teacher_kl_k1", "topk_mass", "mismatch_kl",
+          "response_len", "tokens_per_s"]
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class OPDRun:
     step: OPDStep
     teacher_params: Any
     tokenizer: Any
+    reference_params: Any = None  # RL kinds with rl.kl_coef > 0: the starting student, frozen (trainer layout)
 
 
 def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
@@ -54,7 +56,9 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     step = build_step(cfg, student_cfg, teacher_cfg, meshlib.make_mesh(cfg.mesh), resolve_loss_config(cfg, tokenizer),
                       tokenizer)
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
-    return OPDRun(cfg, step, teacher_params, tokenizer), step.init_state(student_params)
+    # the starting student as loaded, also on resume (the restored state replaces only the trained copy)
+    reference = step.place_reference(student_params) if step.uses_reference else None
+    return OPDRun(cfg, step, teacher_params, tokenizer, reference), step.init_state(student_params)
 
 
 def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
@@ -104,9 +108,11 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         step, metrics, t0, rollout = pending
         out, batch, reward = rollout.sample, rollout.host_batch, rollout.rewards_B
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if reward is not None:
-            m["reward"] = float(np.mean(jax.device_get(reward)))
         lengths = np.asarray(jax.device_get(out.lengths_B))
+        if reward is not None:  # RL kinds (their entropy, clip_frac, ratio_mean, kl_ref come from the update);
+            r = np.asarray(jax.device_get(reward), np.float64)  # at_cap: a collapse signal of `compare --rl`
+            m |= {"reward": float(r.mean()), "reward_std": float(r.std()),
+                  "response_at_cap": float(np.mean(lengths >= cfg.sampling.max_new_tokens))}
         if rollouts is not None:
             tokens = np.asarray(jax.device_get(out.tokens_BxN))
             texts = [run.tokenizer.decode(tokens[b, :lengths[b]]) for b in range(min(cfg.train.log_rollouts, len(tokens)))]
@@ -125,7 +131,7 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         for step in bar:
             batch = next(data_it)
             with jax.set_mesh(opd.mesh):  # activations' batch constraints (transformer.constrain_batch)
-                state, metrics, rollout = opd(state, run.teacher_params, batch, step)
+                state, metrics, rollout = opd(state, run.teacher_params, batch, step, run.reference_params)
             # the [B,N,V] sampler log-softmax (mismatch=exact) is freed now, not held through the next rollout
             rollout = rollout._replace(sample=rollout.sample._replace(full_logprobs_BxNxV=None))
             if pending is not None:

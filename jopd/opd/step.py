@@ -14,16 +14,26 @@ same jitted stages from abstract inputs), the lab commands and the benchmarks al
 spells the step out again. What a loss kind needs (teacher logits, advantages, groups of rollouts) comes
 from its entry in `losses.objectives.OBJECTIVES`.
 
+RL kinds (`OBJECTIVES[kind].uses_rewards`): the rollout stage decodes the responses and computes correctness
+rewards and per-sequence advantages on the host (`jopd.rl`); score adds, with `rl.kl_coef > 0`, the frozen
+reference's log-probs of the sampled tokens (the reference = the run's starting student, an argument like the
+teacher, on the trainer layout: `place_reference`); `__call__` runs `rl.inner_updates` optimizer updates on
+the one scored batch (GRPO), and keeps the REINFORCE running-mean baseline in the train state
+(`RLTrainState`), so it is checkpointed with the params.
+
 Randomness: step n's sampling draws are `row_randomness(rollout_seed(train.seed), global row ids)`, its
 weight-noise key `weight_sync_key(state.rng, n)`; both are pure functions of (seed, n), which is what makes a
-resumed run bit-identical.
+resumed run bit-identical. `state.step` counts steps (rollout batches), whatever `rl.inner_updates`; the
+optimizer counts its updates in its own state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,8 +41,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jopd import rl
-from jopd.losses import LossBatch, LossConfig
-from jopd.losses.objectives import OBJECTIVES, Objective
+from jopd.losses import LossBatch, LossConfig, teacher_scores
+from jopd.losses.objectives import OBJECTIVES, Objective, needs_reference
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
@@ -59,6 +69,15 @@ def weight_sync_key(rng: jax.Array, step: int | jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(rng, step), 1)
 
 
+@flax.struct.dataclass
+class RLTrainState(TrainState):
+    """The train state of REINFORCE with `rl.baseline: running_mean`: the baseline's EMA is state of the run
+    (checkpointed and restored with the params, so a resumed run reads the very float32 the uninterrupted run
+    read). Every other kind keeps the plain `TrainState` pytree."""
+
+    reward_ema: jax.Array  # float32 scalar: EMA (from 0) of the batch-mean rewards of the steps so far
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
     student: Any  # trainer layout of the student params
@@ -78,6 +97,7 @@ class Rollout(NamedTuple):
     host_batch: dict[str, np.ndarray]  # this process's rows (index, question, answer, ...), groups repeated
     rewards_B: jax.Array | None = None  # loss kinds with `uses_rewards`: correctness of each response
     advantages_B: jax.Array | None = None  # ... and the per-sequence advantage from those rewards
+    reward_ema: np.float32 | None = None  # running_mean baseline: the EMA after this step's rewards
 
 
 def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
@@ -91,18 +111,63 @@ def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
     return dataclasses.replace(cfg.loss, special_token_ids=special, temperature=cfg.sampling.temperature)
 
 
-def _score(teacher_params, prompt_BxP, prompt_mask_BxP, sample: SampleOutput, advantages_B, *,
-           teacher_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str) -> TrainBatch:
+def with_rl_settings(loss_cfg: LossConfig, rl_cfg: rl.RLConfig) -> LossConfig:
+    """The loss config with the per-token RL settings of `rl` (clip range, KL coefficient, normalization): the
+    user sets them once, as `rl.*`; a `loss.*` copy set to something else is an error, not silently replaced."""
+    fields = ("clip_eps", "clip_eps_high", "kl_coef", "token_sum_norm")
+    default = LossConfig()
+    for f in fields:
+        mine, theirs = getattr(loss_cfg, f), getattr(rl_cfg, f)
+        if mine != getattr(default, f) and mine != theirs:
+            raise ValueError(f"RunConfig.loss.{f}={mine}: set rl.{f} instead (the loss takes it from there)")
+    return dataclasses.replace(loss_cfg, **{f: getattr(rl_cfg, f) for f in fields})
+
+
+def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: ModelConfig, loss_cfg: LossConfig,
+                       dtype) -> jax.Array:
+    """log pi_ref(target) [B, N] of the frozen reference at the loss temperature, chunked like the teacher's
+    scores and in the trainer's dtype (so the k3 KL to the starting student is 0 before the first update)."""
+    N = layout.targets_BxN.shape[1]
+    hidden = transformer.response_hidden(reference_params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N,
+                                         dtype=dtype)
+    out = teacher_scores(hidden, reference_params, k=1, chunk=loss_cfg.chunk_size, targets_BxT=layout.targets_BxN,
+                         temperature=loss_cfg.temperature, dtype=dtype)
+    return out["teacher_target_logprobs_BxT"]
+
+
+def _score(teacher_params, prompt_BxP, prompt_mask_BxP, sample: SampleOutput, advantages_B, reference_params=None, *,
+           teacher_cfg: ModelConfig, student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str,
+           dtype) -> TrainBatch:
     layout: SequenceLayout = sequence_layout(prompt_BxP, prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
     teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg)
+    # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
+    # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
+    # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)
     is_lp = sample.unprocessed_logprobs_BxN if is_logprobs == "unprocessed" else sample.logprobs_BxN
     advantages = None
     if advantages_B is not None:
         advantages = jnp.broadcast_to(advantages_B[:, None], layout.targets_BxN.shape).astype(jnp.float32)
+    reference = None
+    if reference_params is not None:
+        reference = reference_logprobs(reference_params, layout, model_cfg=student_cfg, loss_cfg=loss_cfg, dtype=dtype)
     loss = LossBatch(targets_BxT=layout.targets_BxN, response_mask_BxT=layout.response_mask_BxN,
                      sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
-                     advantages_BxT=advantages, **teacher)
+                     advantages_BxT=advantages, reference_logprobs_BxT=reference, **teacher)
     return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)
+
+
+# Metrics that describe the rollout against the trainer's params at the weight sync: with several inner
+# updates they are taken from the first one (later ones see a policy the sampler never ran).
+_ROLLOUT_METRICS = ("mismatch_", "is_", "entropy", "kl_ref", "target_logprob", "teacher_kl_k1")
+
+
+def inner_update_metrics(history: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """One row of metrics for `len(history)` updates on one batch: the rollout's (`_ROLLOUT_METRICS`) from the
+    first update, the mean over the updates for the rest (loss, grad_norm, ratio_mean, clip_frac, ...)."""
+    if len(history) == 1:
+        return history[0]
+    out = {k: sum(m[k] for m in history) / len(history) for k in history[0]}
+    return out | {k: v for k, v in history[0].items() if k.startswith(_ROLLOUT_METRICS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +185,9 @@ class OPDStep:
     sampler: Sampler
     tokenizer: Any  # decodes responses for rewards (RL kinds); None is fine for the others
     sync_fn: Any  # jit: (params, key) -> sampler params (rollout precision, weight noise, unstacked layers)
-    score_fn: Any  # jit: (teacher, prompt, prompt mask, sample, advantages | None) -> TrainBatch
+    # jit: (teacher, prompt, prompt mask, sample, advantages | None[, reference]) -> TrainBatch; the sixth
+    # argument, the reference params (trainer layout), exists iff `uses_reference`
+    score_fn: Any
     update_fn: Any  # jit: (state, TrainBatch) -> (state, metrics); state donated
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
 
@@ -135,6 +202,16 @@ class OPDStep:
         """Rows of one step's global rollout batch."""
         return self.cfg.data.batch_size * self.rollouts_per_prompt
 
+    @property
+    def uses_reference(self) -> bool:
+        """score needs the frozen reference's params (RL kinds with rl.kl_coef > 0)."""
+        return needs_reference(self.loss_cfg)
+
+    @property
+    def uses_running_baseline(self) -> bool:
+        """The train state is an `RLTrainState` (REINFORCE with rl.baseline=running_mean)."""
+        return _running_baseline(self.loss_cfg.kind, self.cfg.rl)
+
     # -- state ------------------------------------------------------------------------------------------
 
     def init_state(self, params, seed: int | None = None) -> TrainState:
@@ -147,8 +224,15 @@ class OPDStep:
         """ShapeDtypeStructs with the state's shardings: what restore and `jopd aot` lower against."""
         dtype = DTYPES[self.cfg.student.dtype]
         params = transformer.abstract_params(self.student_cfg, dtype)
-        shapes = jax.eval_shape(lambda p: new_train_state(p, self.optimizer, jax.random.key(0)), params)
+        shapes = jax.eval_shape(lambda p: _initial_state(p, self.optimizer, jax.random.key(0),
+                                                         self.uses_running_baseline), params)
         return meshlib.sharded_abstract(shapes, self.shardings.state)
+
+    def place_reference(self, params):
+        """A copy of `params` (the starting student) in the trainer layout, as the frozen KL reference: its own
+        buffers, never the train state's (which each update donates)."""
+        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.student)
+        return copy(jax.device_put(params, self.shardings.student))
 
     def abstract_teacher(self):
         params = transformer.abstract_params(self.teacher_cfg, DTYPES[self.cfg.teacher.dtype])
@@ -170,21 +254,38 @@ class OPDStep:
         sample = self.sampler.sample_padded(sampler_params, prompt, mask, RowRandomness(u, k))
         out = Rollout(prompt, mask, sample, batch)
         if self.objective.uses_rewards:
-            out = out._replace(**self._rewards(sample, batch))
+            out = out._replace(**self._rewards(sample, batch, state))
         return out
 
-    def score(self, teacher_params, rollout: Rollout) -> TrainBatch:
-        return self.score_fn(teacher_params, rollout.prompt_BxP, rollout.prompt_mask_BxP, rollout.sample,
-                             rollout.advantages_B)
+    def score(self, teacher_params, rollout: Rollout, reference_params=None) -> TrainBatch:
+        args = (teacher_params, rollout.prompt_BxP, rollout.prompt_mask_BxP, rollout.sample, rollout.advantages_B)
+        if self.uses_reference:
+            if reference_params is None:
+                raise ValueError(f"RunConfig.rl.kl_coef={self.loss_cfg.kl_coef}: OPDStep.score needs the reference "
+                                 f"params (the starting student, `place_reference`)")
+            args += (reference_params,)
+        return self.score_fn(*args)
 
     def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         return self.update_fn(state, batch)
 
-    def __call__(self, state: TrainState, teacher_params, batch: dict[str, np.ndarray], step: int):
-        """rollout -> score -> update, dispatched back to back. Returns (state, metrics, rollout)."""
+    def __call__(self, state: TrainState, teacher_params, batch: dict[str, np.ndarray], step: int,
+                 reference_params=None):
+        """rollout -> score -> `rl.inner_updates` updates on the scored batch, dispatched back to back.
+        Returns (state, metrics, rollout); metrics as `inner_update_metrics`."""
         rollout = self.rollout(state, batch, step)
-        state, metrics = self.update(state, self.score(teacher_params, rollout))
-        return state, metrics, rollout
+        train_batch = self.score(teacher_params, rollout, reference_params)
+        history = []
+        for i in range(self.cfg.rl.inner_updates):
+            if i:  # XLA:CPU can deadlock two queued programs' collectives (8 simulated devices): one at a time
+                jax.block_until_ready(state)
+            state, metrics = self.update(state, train_batch)
+            history.append(metrics)
+        if len(history) > 1:  # state.step counts rollout batches (the loop, checkpoints and resume rely on it)
+            state = state.replace(step=state.step - (len(history) - 1))
+        if rollout.reward_ema is not None:
+            state = state.replace(reward_ema=jax.device_put(rollout.reward_ema, self.shardings.state.reward_ema))
+        return state, inner_update_metrics(history), rollout
 
     # -- host helpers -----------------------------------------------------------------------------------
 
@@ -195,18 +296,26 @@ class OPDStep:
         from jax.experimental import multihost_utils
         return multihost_utils.global_array_to_host_local_array(tree, self.mesh, self.shardings.batch.spec)
 
-    def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Correctness of this process's responses -> per-sequence advantages, as global arrays."""
+    def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray], state: TrainState) -> dict[str, Any]:
+        """Correctness of this process's responses -> per-sequence advantages, as global arrays (and, for the
+        running-mean baseline, the EMA after this step, from the global batch's mean reward)."""
         tokens, lengths = (np.asarray(x) for x in self.local_rows((sample.tokens_BxN, sample.lengths_B)))
         texts = [self.tokenizer.decode(t[:n], skip_special_tokens=True) for t, n in zip(tokens, lengths)]
         rewards = rl.correctness_rewards(texts, batch["answer"])
-        adv = rl.sequence_advantages(self.loss_cfg.kind, rewards, self.cfg.rl)
+        running, ema = None, None
+        if self.uses_running_baseline:
+            decay = self.cfg.rl.baseline_decay
+            ema_before, steps_before = jax.device_get((state.reward_ema, state.step))
+            running = rl.running_baseline(ema_before, int(steps_before), decay)
+        adv = rl.sequence_advantages(self.loss_cfg.kind, rewards, self.cfg.rl, running)
         r, a = host_local_to_global((rewards, adv), self.shardings.batch)
-        return {"rewards_B": r, "advantages_B": a}
+        if self.uses_running_baseline:
+            ema = rl.ema_update(ema_before, float(jax.device_get(jnp.mean(r))), decay)
+        return {"rewards_B": r, "advantages_B": a, "reward_ema": ema}
 
 
 def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
-                   optimizer: optax.GradientTransformation) -> StepShardings:
+                   optimizer: optax.GradientTransformation, running_baseline: bool = False) -> StepShardings:
     train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
     student = meshlib.param_shardings(s_cfg, mesh, train_rules)
     # The sampler decodes over per-layer weights: the sync hands them over unstacked, so the sampler program
@@ -217,6 +326,8 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
     replicated = NamedSharding(mesh, P())
     state = TrainState(step=replicated, params=student, opt_state=opt_state_shardings(optimizer, params),
                        rng=replicated)
+    if running_baseline:
+        state = RLTrainState(**vars(state), reward_ema=replicated)
     meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size,), where="data.batch_size")  # clear error
     return StepShardings(
         student=student, teacher=meshlib.param_shardings(t_cfg, mesh, train_rules), sampler_params=sampler_params,
@@ -224,11 +335,25 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
         cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"])
 
 
+def _running_baseline(kind: str, rl_cfg: rl.RLConfig) -> bool:
+    return kind == "reinforce" and rl_cfg.baseline == "running_mean"
+
+
+def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool
+                   ) -> TrainState:
+    state = new_train_state(params, optimizer, rng)
+    return RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32)) if running_baseline else state
+
+
 def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, loss_cfg: LossConfig,
                tokenizer=None) -> OPDStep:
     objective = OBJECTIVES[loss_cfg.kind]
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    sh = step_shardings(cfg, s_cfg, t_cfg, mesh, optimizer)
+    rl.check_rl_config(loss_cfg.kind, cfg.rl)
+    loss_cfg = with_rl_settings(loss_cfg, cfg.rl)
+    # the schedule's horizon in optimizer updates: inner_updates of them per step
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
+    running = _running_baseline(loss_cfg.kind, cfg.rl)
+    sh = step_shardings(cfg, s_cfg, t_cfg, mesh, optimizer, running)
     batch = sh.batch
 
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact")
@@ -237,15 +362,18 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, los
     precision = cfg.rollout_precision
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
-    score = lambda tp, prompt, mask, sample, adv: _score(  # noqa: E731
-        tp, prompt, mask, sample, adv, teacher_cfg=t_cfg, loss_cfg=loss_cfg, is_logprobs=cfg.train.is_logprobs)
-    score_fn = jax.jit(score, in_shardings=(sh.teacher, batch, batch, batch, batch), out_shardings=batch)
     dtype = DTYPES[cfg.student.dtype]
+    score = functools.partial(_score, teacher_cfg=t_cfg, student_cfg=s_cfg, loss_cfg=loss_cfg,
+                              is_logprobs=cfg.train.is_logprobs, dtype=dtype)
+    # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a sixth positional one
+    # only when the loss reads it
+    in_sh = (sh.teacher, batch, batch, batch, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
+    score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps),
                         in_shardings=(sh.state, batch), out_shardings=(sh.state, None), donate_argnums=0)
-    init_fn = jax.jit(lambda p, rng: new_train_state(p, optimizer, rng), in_shardings=(sh.student, sh.state.rng),
-                      out_shardings=sh.state)
+    init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running),
+                      in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
     return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfg=t_cfg, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
                    optimizer=optimizer, shardings=sh, sampler=sampler, tokenizer=tokenizer, sync_fn=sync_fn,
                    score_fn=score_fn, update_fn=update_fn, init_fn=init_fn)

@@ -111,3 +111,58 @@ def test_seeds_add_the_seed_aware_verdict_which_decides_the_exit_code(tmp_path, 
     assert compare(runs[0], bases[0], "--run-also", runs[0]) == 2
     assert compare(runs[0], bases[0], "--base-also", make_run(tmp_path, "dup", 1.0, config="train: {seed: 0}\n")) == 2
     assert "same train.seed=0" in capsys.readouterr().err
+
+
+# -- --rl: the broke criterion for reward-trained runs ------------------------------------------------------------
+
+
+def make_rl_run(tmp_path, name, correct, kind="grpo", **last):
+    """An RL run directory: eval/after.csv with per-problem correctness, metrics.jsonl with 10 training rows
+    (the last two updated by `last`), config.yaml with the loss kind and the response cap."""
+    d = tmp_path / name
+    n = len(correct)
+    EvalResult(np.arange(n), np.full(n, 0.5), np.asarray(correct, bool), np.full(n, 9), ["x"] * n).save(d / "eval",
+                                                                                                        "after")
+    (d / "config.yaml").write_text(f"loss: {{kind: {kind}}}\nsampling: {{max_new_tokens: 32}}\ntrain: {{steps: 10}}\n")
+    rows = [{"step": s, "loss": 0.1, "reward": 0.3, "entropy": 0.5, "response_len": 12.0, "response_at_cap": 0.0}
+            | (last if s > 8 else {}) for s in range(1, 11)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_rl_broke_exit_1_ok_exit_0_and_the_numbers(tmp_path, capsys):
+    base_ok = np.random.default_rng(0).random(N) < 0.5
+    worse = base_ok.copy()
+    worse[np.flatnonzero(base_ok)[::4]] = False  # a quarter of the solved problems lost
+    base = make_rl_run(tmp_path, "base", base_ok)
+    out = tmp_path / "rl.json"
+    assert compare("--rl", make_rl_run(tmp_path, "worse", worse), base, "--json", out) == 1
+    text = capsys.readouterr().out
+    assert "jopd compare --rl" in text and "BROKE" in text and f"{N} problems paired" in text
+    assert f"{base_ok.mean():.3f}" in text and f"{worse.mean():.3f}" in text
+    r = json.loads(out.read_text())
+    assert r["verdict"] == "BROKE" and r["accuracy"]["broke"] and r["accuracy"]["ci_high"] < 0
+    assert r["accuracy"]["diff_mean"] == pytest.approx(worse.mean() - base_ok.mean())
+
+    assert compare("--rl", make_rl_run(tmp_path, "same", base_ok), base) == 0
+    assert "verdict" in capsys.readouterr().out
+    # the same accuracy but entropy collapsed over the last 20% of steps
+    assert compare("--rl", make_rl_run(tmp_path, "collapsed", base_ok, entropy=0.01), base) == 1
+    assert "entropy 0.0100 < 0.05" in capsys.readouterr().out
+    # a looser margin or threshold flips each back
+    assert compare("--rl", make_rl_run(tmp_path, "worse2", worse), base, "--acc-margin", "0.5") == 0
+    assert compare("--rl", make_rl_run(tmp_path, "collapsed2", base_ok, entropy=0.01), base,
+                   "--collapse-entropy", "0.001") == 0
+
+
+def test_rl_bad_input_exit_2(tmp_path, capsys):
+    ok = np.random.default_rng(1).random(40) < 0.5
+    grpo, reinforce = make_rl_run(tmp_path, "g", ok), make_rl_run(tmp_path, "r", ok, kind="reinforce")
+    assert compare("--rl", grpo, reinforce) == 2
+    assert "trains loss.kind=grpo" in capsys.readouterr().err
+    assert compare("--rl", grpo, make_rl_run(tmp_path, "g2", ok), "--run-also", grpo) == 2
+    assert compare("--rl", grpo, make_rl_run(tmp_path, "g3", ok), "--acc-margin", "-1") == 2
+    (tmp_path / "g" / "metrics.jsonl").unlink()
+    assert compare("--rl", grpo, make_rl_run(tmp_path, "g4", ok)) == 2
+    # without --rl the same directories still get the quality rule (teacher divergence equal: PASS)
+    assert compare(make_rl_run(tmp_path, "q1", ok), make_rl_run(tmp_path, "q2", ok)) == 0

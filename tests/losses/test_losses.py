@@ -361,3 +361,127 @@ def test_missing_or_misshaped_batch_entries_raise_one_clear_error():
     with pytest.raises(ValueError, match=r"LossBatch.sampler_logprobs_BxT: shape \(2, 5\)"):
         token_loss_from_logits(_cfg("sft"), s, batch.replace(sampler_logprobs_BxT=jnp.zeros((B, T - 1))))
     token_loss_from_logits(_cfg("sft"), s, batch.replace(advantages_BxT=jnp.zeros((B, T))))  # fields it does not read
+
+
+# -- RL kinds: GRPO's clipped ratio, the KL to a reference, token-sum normalization, entropy ---------------------
+
+
+def _own_logprobs(logits, targets):
+    return np.take_along_axis(np_log_softmax(np.asarray(logits, np.float64), -1), targets[..., None], -1)[..., 0]
+
+
+def test_clipped_ratio_gradient_vanishes_only_in_the_direction_the_clip_blocks():
+    """One row, one position per case: r = pi_s / pi_b set by the behaviour log-prob. The gradient at a
+    position is zero iff (r > 1 + eps, A > 0) or (r < 1 - eps, A < 0)."""
+    cases = [(1.5, 1.0, True), (1.5, -1.0, False), (0.5, -1.0, True), (0.5, 1.0, False), (1.0, 1.0, False),
+             (1.1, 1.0, False), (0.9, -1.0, False), (1.3, 1.0, True)]  # (ratio, advantage, blocked)
+    n = len(cases)
+    logits = jnp.asarray(_rand(31, (1, n, V)), jnp.float32)
+    targets = np.random.default_rng(32).integers(0, V, (1, n))
+    own = _own_logprobs(logits, targets)
+    ratio = np.array([[c[0] for c in cases]])
+    batch = LossBatch(targets_BxT=jnp.asarray(targets), response_mask_BxT=jnp.ones((1, n), bool),
+                      advantages_BxT=jnp.asarray([[c[1] for c in cases]], jnp.float32),
+                      sampler_logprobs_BxT=jnp.asarray(own - np.log(ratio), jnp.float32))
+    cfg = LossConfig(kind="grpo", clip_eps=0.2)
+    grad = jax.grad(lambda lg: token_loss_from_logits(cfg, lg, batch)[0])(logits)
+    per_position = np.abs(np.asarray(grad)).sum(-1)[0]
+    for (r, a, blocked), g in zip(cases, per_position):
+        assert (g == 0.0) == blocked, (r, a, g)
+    # unblocked: the gradient is r times the REINFORCE gradient of that token (-A r d log pi / n)
+    reinforce = jax.grad(lambda lg: token_loss_from_logits(LossConfig(kind="reinforce"), lg, batch)[0])(logits)
+    for t, (r, a, blocked) in enumerate(cases):
+        if not blocked:
+            np.testing.assert_allclose(grad[0, t], r * reinforce[0, t], rtol=1e-4, atol=1e-7)
+    _, m = token_loss_from_logits(cfg, logits, batch)
+    assert float(m["clip_frac"]) == pytest.approx(3 / n)
+    np.testing.assert_allclose(float(m["ratio_mean"]), ratio.mean(), rtol=1e-5)
+
+
+def test_clip_eps_high_widens_only_the_upper_side():
+    logits = jnp.asarray(_rand(33, (1, 2, V)), jnp.float32)
+    targets = np.zeros((1, 2), np.int64)
+    own = _own_logprobs(logits, targets)
+    batch = LossBatch(targets_BxT=jnp.asarray(targets), response_mask_BxT=jnp.ones((1, 2), bool),
+                      advantages_BxT=jnp.asarray([[1.0, -1.0]], jnp.float32),
+                      sampler_logprobs_BxT=jnp.asarray(own - np.log([[1.25, 0.75]]), jnp.float32))
+    def frac(**kw):
+        return float(token_loss_from_logits(LossConfig(kind="grpo", **kw), logits, batch)[1]["clip_frac"])
+
+    assert frac(clip_eps=0.2) == 1.0  # both clipped
+    assert frac(clip_eps=0.2, clip_eps_high=0.28) == 0.5  # 1.25 now inside [0.8, 1.28]; 0.75 still below 0.8
+
+
+def test_grpo_is_mode_bounds_the_ratio_instead_of_doubling_it():
+    """tis: the effective per-token weight is min(r, cap) (here r = 3 on a negative-advantage token, which
+    the clip leaves unbounded); icepop: tokens outside the band are dropped."""
+    logits = jnp.asarray(_rand(34, (1, 1, V)), jnp.float32)
+    targets = np.zeros((1, 1), np.int64)
+    own = _own_logprobs(logits, targets)
+    batch = LossBatch(targets_BxT=jnp.asarray(targets), response_mask_BxT=jnp.ones((1, 1), bool),
+                      advantages_BxT=jnp.asarray([[-1.0]], jnp.float32),
+                      sampler_logprobs_BxT=jnp.asarray(own - np.log(3.0), jnp.float32))
+    def g(**kw):
+        return jax.grad(lambda lg: token_loss_from_logits(LossConfig(kind="grpo", **kw), lg, batch)[0])(logits)
+
+    plain = jax.grad(lambda lg: token_loss_from_logits(LossConfig(kind="reinforce"), lg, batch)[0])(logits)
+    np.testing.assert_allclose(g(), 3.0 * plain, rtol=1e-4)
+    np.testing.assert_allclose(g(is_mode="tis", is_cap=2.0), 2.0 * plain, rtol=1e-4)
+    assert float(jnp.abs(g(is_mode="icepop", icepop_low=0.5, icepop_high=2.5)).sum()) == 0.0
+    np.testing.assert_allclose(g(is_mode="icepop", icepop_low=0.5, icepop_high=5.0), 3.0 * plain, rtol=1e-4)
+
+
+def test_reference_kl_is_k3_and_pulls_towards_the_reference():
+    logits = jnp.asarray(_rand(35, (B, T, V)), jnp.float32)
+    targets = np.random.default_rng(36).integers(0, V, (B, T))
+    own = _own_logprobs(logits, targets)
+    ref = own + np.random.default_rng(37).normal(0, 0.5, (B, T))
+    base = dict(targets_BxT=jnp.asarray(targets), response_mask_BxT=jnp.ones((B, T), bool),
+                advantages_BxT=jnp.zeros((B, T), jnp.float32))
+    cfg = LossConfig(kind="reinforce", kl_coef=0.5)
+    with pytest.raises(ValueError, match=r"reference_logprobs_BxT: missing \(needed by LossConfig.kl_coef=0.5\)"):
+        token_loss_from_logits(cfg, logits, LossBatch(**base))
+    batch = LossBatch(**base, reference_logprobs_BxT=jnp.asarray(ref, jnp.float32))
+    loss, m = token_loss_from_logits(cfg, logits, batch)
+    d = ref - own
+    k3 = np.exp(d) - d - 1
+    np.testing.assert_allclose(float(m["kl_ref"]), k3.mean(), rtol=1e-4)
+    np.testing.assert_allclose(float(loss), 0.5 * k3.mean(), rtol=1e-4)  # advantages 0: the KL term alone
+    same = batch.replace(reference_logprobs_BxT=jnp.asarray(own, jnp.float32))
+    assert abs(float(token_loss_from_logits(cfg, logits, same)[1]["kl_ref"])) < 1e-6
+    # a small step against the gradient lowers the KL
+    grad = jax.grad(lambda lg: token_loss_from_logits(cfg, lg, batch)[0])(logits)
+    assert float(token_loss_from_logits(cfg, logits - 0.1 * grad, batch)[1]["kl_ref"]) < float(m["kl_ref"])
+
+
+def test_token_sum_norm_divides_by_rows_times_slots():
+    logits = jnp.asarray(_rand(38, (B, T, V)), jnp.float32)
+    targets = np.random.default_rng(39).integers(0, V, (B, T))
+    mask = np.arange(T)[None] < np.array([[4], [2]])
+    adv = np.repeat(np.array([[0.7], [-1.3]], np.float32), T, 1)
+    batch = LossBatch(targets_BxT=jnp.asarray(targets), response_mask_BxT=jnp.asarray(mask),
+                      advantages_BxT=jnp.asarray(adv))
+    own = _own_logprobs(logits, targets)
+    for kind in ("reinforce", "grpo"):
+        b = batch.replace(sampler_logprobs_BxT=jnp.asarray(own, jnp.float32)) if kind == "grpo" else batch
+        # per token: -A log pi (reinforce); -A r with r = 1 (grpo, sampler = trainer)
+        total = -np.sum(np.where(mask, adv * (own if kind == "reinforce" else 1.0), 0.0))
+        by_count = float(token_loss_from_logits(LossConfig(kind=kind), logits, b)[0])
+        by_slots = float(token_loss_from_logits(LossConfig(kind=kind, token_sum_norm=True), logits, b)[0])
+        np.testing.assert_allclose(by_count, total / mask.sum(), rtol=1e-5)
+        np.testing.assert_allclose(by_slots, total / (B * T), rtol=1e-5)
+        # per row halves (gradient-accumulation micro-batches) averaged = the whole batch: the constant scales
+        halves = [float(token_loss_from_logits(LossConfig(kind=kind, token_sum_norm=True), logits[i:i + 1],
+                                               jax.tree.map(lambda x: x[i:i + 1], b))[0]) for i in range(B)]
+        np.testing.assert_allclose(np.mean(halves), by_slots, rtol=1e-5)
+
+
+def test_rl_entropy_metric_is_the_students_softmax_entropy():
+    logits = jnp.asarray(_rand(40, (B, T, V)), jnp.float32)
+    targets = np.random.default_rng(41).integers(0, V, (B, T))
+    batch = LossBatch(targets_BxT=jnp.asarray(targets), response_mask_BxT=jnp.ones((B, T), bool),
+                      advantages_BxT=jnp.zeros((B, T), jnp.float32))
+    lp = np_log_softmax(np.asarray(logits, np.float64) / 2.0, -1)
+    _, m = token_loss_from_logits(LossConfig(kind="reinforce", temperature=2.0), logits, batch)
+    np.testing.assert_allclose(float(m["entropy"]), -(np.exp(lp) * lp).sum(-1).mean(), rtol=1e-5)
+    assert "entropy" not in token_loss_from_logits(LossConfig(kind="sft"), logits, batch)[1]  # RL kinds only

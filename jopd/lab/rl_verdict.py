@@ -1,0 +1,271 @@
+"""The **broke** criterion for reward-trained runs (REINFORCE, GRPO) under a rollout setup, against the same
+method's standard-engine run (BASE) at the same step.
+
+A run BROKE iff either
+
+1. **accuracy drop**: its held-out accuracy (`RUN_DIR/eval/NAME.csv`, column `correct`, the same problems and
+   the same `train.eval_seed` draws as BASE) is below BASE's by at least `acc_margin` (absolute, default 0.05)
+   **and** the paired 95% bootstrap interval of the mean per-problem difference (run − base, problems
+   resampled) lies entirely below 0; or
+2. **collapse**: over the last `tail` (20%) of its logged training steps (`RUN_DIR/metrics.jsonl`), any of
+   - reward → 0: mean reward < `collapse_reward` (0.02) while BASE's mean reward over its own last 20% was higher;
+   - entropy collapse: mean per-token entropy of the student on its rollouts < `collapse_entropy` (0.05 nats);
+   - length pinned at the cap: on average >= `cap_fraction` (95%) of the rollouts end at `sampling.max_new_tokens`
+     (the `response_at_cap` metric; runs logged without it fall back to mean length >= 95% of the cap);
+   - NaN: a non-finite value in any training metric, at any step of the run.
+
+Otherwise OK. The interval is over problems only (not training seeds), as in the quality rule.
+
+Pure numpy (no jax): reads the files `jopd train` writes, so it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jaxtyping import Float
+
+from jopd.lab import quality as q
+
+_BATCH = 2000  # bootstrap resamples held in memory at once
+
+
+@dataclasses.dataclass(frozen=True)
+class Criterion:
+    acc_margin: float = 0.05  # absolute accuracy drop (run below base) that can break a run
+    collapse_reward: float = 0.02  # mean reward below this (with the base's higher) is a collapse
+    collapse_entropy: float = 0.05  # nats per token
+    cap_fraction: float = 0.95  # fraction of rollouts at max_new_tokens that counts as pinned
+    tail: float = 0.2  # the last fraction of logged training steps the collapse signals look at
+    resamples: int = 10_000
+    seed: int = 0
+    confidence: float = 0.95
+
+    def __post_init__(self):
+        for name in ("acc_margin", "collapse_reward", "collapse_entropy"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {v}")
+        for name in ("cap_fraction", "tail"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}: must lie in (0, 1], got {getattr(self, name)}")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence: must lie in (0, 1), got {self.confidence}")
+        if int(self.resamples) != self.resamples or self.resamples < 1:
+            raise ValueError(f"resamples: must be a positive integer, got {self.resamples}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Correctness:
+    """One run's held-out eval: problem ids and per-problem correctness (0/1), file order."""
+
+    path: Path
+    index: np.ndarray  # [n] int64, unique
+    correct: np.ndarray  # [n] float64 in {0, 1}
+
+
+def _bool(raw: str, path: Path, line: int) -> float:
+    v = raw.strip().lower()
+    if v in ("true", "1", "1.0"):
+        return 1.0
+    if v in ("false", "0", "0.0"):
+        return 0.0
+    raise ValueError(f"{path}:{line}: correct {raw!r} is not a boolean")
+
+
+def read_correctness(run_dir: str | Path, name: str = "after") -> Correctness:
+    """`RUN_DIR/eval/NAME.csv` -> per-problem correctness (the `correct` column `EvalResult.save` writes)."""
+    path = q.eval_path(run_dir, name)
+    q.read_eval(run_dir, name)  # the same file checks as the quality rule (exists, header, ids unique)
+    index, correct = [], []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if "correct" not in (reader.fieldnames or []):
+            raise ValueError(f"{path}: header lacks column correct (got {','.join(reader.fieldnames or [])})")
+        for row in reader:
+            index.append(int(row["index"]))
+            correct.append(_bool(row["correct"] or "", path, reader.line_num))
+    return Correctness(path, np.asarray(index, np.int64), np.asarray(correct, np.float64))
+
+
+def paired(run: Correctness, base: Correctness) -> tuple[np.ndarray, np.ndarray]:
+    """(run, base) correctness on the same problems, sorted by id; differing problem sets are an error."""
+    for a, b in ((run, base), (base, run)):
+        missing = np.setdiff1d(a.index, b.index)
+        if len(missing):
+            raise ValueError(f"problem sets differ: {len(missing)} of the {len(a.index)} problems in {a.path} are "
+                             f"missing from {b.path}; evaluate both runs on the same problems")
+    return run.correct[np.argsort(run.index)], base.correct[np.argsort(base.index)]
+
+
+def paired_bootstrap_ci(diff_N: Float[np.ndarray, "N"], resamples: int, seed: int, confidence: float
+                        ) -> tuple[float, float]:
+    """Percentile interval of the mean of per-problem differences, problems resampled with replacement."""
+    rng = np.random.default_rng(seed)
+    n = len(diff_N)
+    means = []
+    for start in range(0, resamples, _BATCH):
+        idx = rng.integers(0, n, size=(min(_BATCH, resamples - start), n))
+        means.append(diff_N[idx].mean(axis=1))
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(np.concatenate(means), [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracyCheck:
+    n: int
+    run_accuracy: float
+    base_accuracy: float
+    diff_mean: float  # run - base
+    ci_low: float
+    ci_high: float
+    margin: float
+    broke: bool
+    reason: str
+
+
+def accuracy_check(run_N: np.ndarray, base_N: np.ndarray, c: Criterion) -> AccuracyCheck:
+    """Broke iff base − run >= margin and the paired interval of (run − base) lies below 0."""
+    if len(run_N) < 2 or len(run_N) != len(base_N):
+        raise ValueError(f"need >= 2 paired problems, got {len(run_N)} run and {len(base_N)} base")
+    diff = run_N - base_N
+    lo, hi = paired_bootstrap_ci(diff, c.resamples, c.seed, c.confidence)
+    d, margin = float(diff.mean()), c.acc_margin
+    ci = f"{c.confidence:.0%} CI [{lo:+.3f}, {hi:+.3f}]"
+    if -d >= margin and hi < 0:
+        broke, reason = True, f"accuracy {-d:.3f} below the base (>= margin {margin:.3f}) and the {ci} excludes 0"
+    elif -d < margin:
+        broke, reason = False, f"accuracy difference {d:+.3f} is within the margin {margin:.3f}"
+    else:
+        broke, reason = False, f"accuracy {-d:.3f} below the base but the {ci} includes 0"
+    return AccuracyCheck(n=len(diff), run_accuracy=float(run_N.mean()), base_accuracy=float(base_N.mean()),
+                         diff_mean=d, ci_low=lo, ci_high=hi, margin=margin, broke=broke, reason=reason)
+
+
+def read_training_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The training rows of `RUN_DIR/metrics.jsonl` (those with a `loss`; eval rows hold only `eval/...`), one
+    per step (the last line of a step wins: a resumed run repeats some steps), sorted by step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such metrics file (a `jopd train` out_dir has one)")
+    rows: dict[int, dict[str, Any]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(row, dict) and "step" in row and "loss" in row:
+            rows[int(row["step"])] = row
+    if not rows:
+        raise ValueError(f"{path}: no training rows (lines with step and loss)")
+    return [rows[s] for s in sorted(rows)]
+
+
+def tail_rows(rows: list[dict[str, Any]], fraction: float) -> list[dict[str, Any]]:
+    return rows[len(rows) - max(1, math.ceil(fraction * len(rows))):]
+
+
+def tail_mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return float(np.mean(vals)) if vals else None
+
+
+def _nonfinite(rows: list[dict[str, Any]]) -> tuple[int, str] | None:
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                return int(r["step"]), k
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CollapseCheck:
+    steps: tuple[int, int]  # first and last step of the run's tail
+    reward: float | None
+    base_reward: float | None
+    entropy: float | None
+    at_cap: float | None  # fraction of rollouts at max_new_tokens (or mean length / cap, see `at_cap_source`)
+    at_cap_source: str
+    nonfinite: str | None  # "step N: metric" of the first non-finite value
+    signals: tuple[str, ...]  # the collapse signals that fired
+
+    @property
+    def broke(self) -> bool:
+        return bool(self.signals)
+
+
+def collapse_check(run_rows: list[dict[str, Any]], base_rows: list[dict[str, Any]] | None, max_new_tokens: int | None,
+                   c: Criterion) -> CollapseCheck:
+    tail = tail_rows(run_rows, c.tail)
+    reward, entropy = tail_mean(tail, "reward"), tail_mean(tail, "entropy")
+    base_reward = tail_mean(tail_rows(base_rows, c.tail), "reward") if base_rows else None
+    at_cap, source = tail_mean(tail, "response_at_cap"), "response_at_cap"
+    if at_cap is None and max_new_tokens:
+        mean_len = tail_mean(tail, "response_len")
+        at_cap, source = (None if mean_len is None else mean_len / max_new_tokens), "response_len / max_new_tokens"
+    bad = _nonfinite(run_rows)
+    signals = []
+    if reward is not None and reward < c.collapse_reward and base_reward is not None and base_reward > reward:
+        signals.append(f"reward {reward:.4f} < {c.collapse_reward} (base {base_reward:.4f})")
+    if entropy is not None and entropy < c.collapse_entropy:
+        signals.append(f"entropy {entropy:.4f} < {c.collapse_entropy} nats")
+    if at_cap is not None and at_cap >= c.cap_fraction:
+        signals.append(f"length pinned at the cap: {source} {at_cap:.3f} >= {c.cap_fraction}")
+    if bad is not None:
+        signals.append(f"non-finite {bad[1]} at step {bad[0]}")
+    return CollapseCheck(steps=(int(tail[0]["step"]), int(tail[-1]["step"])), reward=reward, base_reward=base_reward,
+                         entropy=entropy, at_cap=at_cap, at_cap_source=source,
+                         nonfinite=None if bad is None else f"step {bad[0]}: {bad[1]}", signals=tuple(signals))
+
+
+@dataclasses.dataclass(frozen=True)
+class RLVerdict:
+    accuracy: AccuracyCheck
+    collapse: CollapseCheck
+    base_collapse: CollapseCheck  # the same signals on the base (a broken base makes the comparison moot)
+    criterion: Criterion
+    verdict: str  # "BROKE" | "OK"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _max_new_tokens(run_dir: str | Path) -> int | None:
+    sampling = (q.read_run_config(run_dir) or {}).get("sampling")
+    v = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+    return int(v) if isinstance(v, int) else None
+
+
+def check_same_method(run_dir: str | Path, base_dir: str | Path) -> None:
+    """The base must be the same loss kind (its standard-engine run), when both configs say."""
+    kinds = []
+    for d in (run_dir, base_dir):
+        loss = (q.read_run_config(d) or {}).get("loss")
+        kinds.append(loss.get("kind") if isinstance(loss, dict) else None)
+    if None not in kinds and kinds[0] != kinds[1]:
+        raise ValueError(f"{run_dir} trains loss.kind={kinds[0]} but {base_dir} trains {kinds[1]}: the broke "
+                         f"criterion compares a method with its own standard-engine run")
+
+
+def rl_verdict(run_dir: str | Path, base_dir: str | Path, eval_name: str = "after",
+               criterion: Criterion = Criterion()) -> RLVerdict:
+    """The broke criterion of RUN_DIR against BASE_DIR (see the module docstring)."""
+    q.check_comparable([run_dir], [base_dir], eval_name)
+    check_same_method(run_dir, base_dir)
+    run_N, base_N = paired(read_correctness(run_dir, eval_name), read_correctness(base_dir, eval_name))
+    acc = accuracy_check(run_N, base_N, criterion)
+    run_rows, base_rows = read_training_rows(run_dir), read_training_rows(base_dir)
+    collapse = collapse_check(run_rows, base_rows, _max_new_tokens(run_dir), criterion)
+    base_collapse = collapse_check(base_rows, None, _max_new_tokens(base_dir), criterion)
+    verdict = "BROKE" if acc.broke or collapse.broke else "OK"
+    return RLVerdict(accuracy=acc, collapse=collapse, base_collapse=base_collapse, criterion=criterion,
+                     verdict=verdict)
