@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,4 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from jopd.opd.loop import train
 
     summary = train(cfg)
+    if "stopped" in summary:  # a guard stopped the run (non-finite update, degenerate rollouts): say so, fail
+        print(f"jopd train: stopped: {summary['stopped']}", file=sys.stderr)
+        return 3
     return 0 if "after" in summary or summary["steps"] < cfg.train.steps else 1

@@ -20,7 +20,9 @@ from tqdm.auto import tqdm
 
 from jopd.data.pipeline import train_iterator
 from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
+from jopd.data.toy_tokenizer import special_token_ids
 from jopd.opd.evaluate import compare_table, evaluate_heldout
+from jopd.opd.guards import RunGuard, loggable
 from jopd.opd.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.model_sources import check_compatible, get_model, precheck_sources, run_tokenizer
 from jopd.opd.run_config import RunConfig, to_yaml
@@ -103,18 +105,21 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
     t_last = time.perf_counter()
 
     rollouts = open(out_dir / "rollouts.jsonl", "a", buffering=1) if is_main else None
+    special = set(special_token_ids(run.tokenizer)) - {run.tokenizer.eos_token_id} if run.tokenizer else set()
+    run_guard = RunGuard(cfg.train.guard, special, cfg.sampling.max_new_tokens)
 
-    def flush(pending):
+    def flush(pending) -> str | None:
+        """Log step n-1's metrics (read while step n runs); returns why the run must stop, if it must."""
         step, metrics, t0, rollout = pending
         out, batch, reward = rollout.sample, rollout.host_batch, rollout.rewards_B
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         lengths = np.asarray(jax.device_get(out.lengths_B))
+        tokens = np.asarray(jax.device_get(out.tokens_BxN))
         if reward is not None:  # RL kinds (their entropy, clip_frac, ratio_mean, kl_ref come from the update);
             r = np.asarray(jax.device_get(reward), np.float64)  # at_cap: a collapse signal of `compare --rl`
             m |= {"reward": float(r.mean()), "reward_std": float(r.std()),
                   "response_at_cap": float(np.mean(lengths >= cfg.sampling.max_new_tokens))}
         if rollouts is not None:
-            tokens = np.asarray(jax.device_get(out.tokens_BxN))
             texts = [run.tokenizer.decode(tokens[b, :lengths[b]]) for b in range(min(cfg.train.log_rollouts, len(tokens)))]
             rollouts.write(json.dumps({"step": step, "index": batch["index"].tolist(), "lengths": lengths.tolist(),
                                        "examples": [{"question": str(q), "response": r} for q, r in
@@ -122,11 +127,19 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         dt = time.perf_counter() - t0
         m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
               "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            writer.write(step, m)
-        bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('teacher_kl_k1', float('nan')):.3f}")
+        m |= run_guard.rollout_metrics(tokens, lengths, m.get("num_tokens", 0.0))
+        warning, reason = run_guard.check(step, m, lengths)
+        if warning and is_main:
+            log(f"warning: {warning}")
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps or reason:
+            writer.write(step, loggable(m))
+        bar.set_postfix(loss=f"{m.get('loss', float('nan')):.4f}", kl=f"{m.get('teacher_kl_k1', float('nan')):.3f}")
+        if reason:
+            reason += f" (problems {batch['index'].tolist()})"
+        return reason
 
     step = start
+    stopped = None
     with PreemptionGuard() as guard:
         for step in bar:
             batch = next(data_it)
@@ -135,7 +148,10 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
             # the [B,N,V] sampler log-softmax (mismatch=exact) is freed now, not held through the next rollout
             rollout = rollout._replace(sample=rollout.sample._replace(full_logprobs_BxNxV=None))
             if pending is not None:
-                flush(pending)  # previous step's metrics: read while this step runs
+                stopped = flush(pending)  # previous step's metrics: read while this step runs
+                if stopped:
+                    pending = None
+                    break  # nothing after the bad step is saved
             pending = (step + 1, metrics, t_last, rollout)
             t_last = time.perf_counter()
             done = step + 1
@@ -147,14 +163,19 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
             if stop:
                 log(f"preemption requested: saved step {done}, exiting")
                 break
-        if pending is not None:
-            flush(pending)
+        if pending is not None and not stopped:
+            stopped = flush(pending)
     ckpt.wait()
     if rollouts is not None:
         rollouts.close()
     final_step = int(jax.device_get(state.step))
     summary: dict[str, Any] = {"steps": final_step, "before": before}
-    if final_step >= cfg.train.steps:
+    if stopped:
+        last = ckpt.latest_step()
+        summary["stopped"] = (f"{stopped}; last good checkpoint: "
+                              f"{f'{ckpt.directory}/{last}' if last is not None else 'none'}")
+        log(f"stopped: {summary['stopped']}")
+    elif final_step >= cfg.train.steps:
         after = run_eval(run, state.params, "after", out_dir)
         writer.write(final_step, after, prefix="eval/")
         summary["after"] = after

@@ -14,6 +14,7 @@ import pydantic
 import yaml
 
 from jopd.opd.checkpoint import CheckpointConfig
+from jopd.opd.guards import GuardConfig
 from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yaml_mapping
 from jopd.data.pipeline import DataConfig
 from jopd.losses import LossConfig
@@ -86,6 +87,7 @@ class TrainConfig:
     # Recompute each layer's activations in the backward pass (jax.checkpoint per scanned layer): ~1/3 more
     # train-step compute for a fraction of the activation memory; needed at real scale (see `jopd aot`).
     remat: bool = False
+    guard: GuardConfig = GuardConfig()  # what stops a run that goes non-finite or degenerates (`opd.guards`)
 
 
 @config_dataclass

@@ -370,7 +370,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, los
     in_sh = (sh.teacher, batch, batch, batch, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
-    update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps),
+    update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
                         in_shardings=(sh.state, batch), out_shardings=(sh.state, None), donate_argnums=0)
     init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)

@@ -20,7 +20,7 @@ LossFn = Callable[[Params, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar: number of updates applied
+    step: jax.Array  # int32 scalar: steps taken (rollout batches; GRPO may apply several updates per step)
     params: Params
     opt_state: optax.OptState
     rng: jax.Array  # typed PRNG key; split per step for sampling / noise

@@ -76,3 +76,21 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
     a, b = _final_params(straight), _final_params(resumed)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+TIMING = ("step_time_s", "tokens_per_s")
+
+
+@pytest.mark.slow
+def test_same_config_and_seed_give_identical_metrics(tmp_path):
+    import json
+
+    cfg_path = write_tiny(tmp_path / "tiny.yaml", train={"steps": 4, "eval_problems": 8},
+                          rollout_precision={"logit_noise": 0.5, "weight_noise": 0.01})  # every random stream on
+    logs = []
+    for name in ("a", "b"):
+        cfg = load_config(str(cfg_path), [f"train.cache_dir={tmp_path / 'cache'}", f"train.out_dir={tmp_path / name}"])
+        train(cfg, log=lambda *_: None)
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        logs.append([{k: v for k, v in r.items() if k not in TIMING} for r in rows])
+    assert len(logs[0]) >= 5 and logs[0] == logs[1]
