@@ -79,6 +79,14 @@ class Checkpointer:
             raise ValueError("CheckpointConfig.dir: not set (checkpointing needs a directory)")
         self.cfg = cfg
         self.directory = checkpoint_directory(cfg.dir)
+        if "://" not in cfg.dir:  # local: an unwritable directory fails now, not at the first save
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                probe = self.directory / f".jopd-write-check-{os.getpid()}"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as e:
+                raise ValueError(f"CheckpointConfig.dir: {cfg.dir}: cannot write ({e.strerror or e})") from None
         self._options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                                      create=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=self._options)

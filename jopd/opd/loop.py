@@ -19,6 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jopd.data.pipeline import train_iterator
+from jopd.losses.objectives import OBJECTIVES
 from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.opd.evaluate import compare_table, evaluate_heldout
@@ -50,13 +51,16 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     """Models (loaded, or the testbed's, trained once and cached), mesh and step; the initial train state."""
     maybe_initialize()
     precheck_sources(cfg)  # vocab / template mismatch, missing files: fail before any compute
+    mesh = meshlib.make_mesh(cfg.mesh)  # a mesh the devices cannot form fails here, before any model is trained
     tokenizer = run_tokenizer(cfg)
+    if OBJECTIVES[cfg.loss.kind].needs_teacher_topk and cfg.loss.top_k > len(tokenizer):
+        raise ValueError(f"RunConfig.loss.top_k={cfg.loss.top_k}: larger than the vocabulary ({len(tokenizer)} "
+                         f"tokens)")
     teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, tokenizer)
     student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
     check_compatible(student_cfg, teacher_cfg, None, None)
     log(f"teacher: {t_from}  student: {s_from}")
-    step = build_step(cfg, student_cfg, teacher_cfg, meshlib.make_mesh(cfg.mesh), resolve_loss_config(cfg, tokenizer),
-                      tokenizer)
+    step = build_step(cfg, student_cfg, teacher_cfg, mesh, resolve_loss_config(cfg, tokenizer), tokenizer)
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
     # the starting student as loaded, also on resume (the restored state replaces only the trained copy)
     reference = step.place_reference(student_params) if step.uses_reference else None
@@ -78,8 +82,11 @@ def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
 
 def train(cfg: RunConfig, log=print) -> dict[str, Any]:
     out_dir = Path(cfg.train.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    try:  # an output directory that cannot be written fails now, before any compute
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    except OSError as e:
+        raise ValueError(f"RunConfig.train.out_dir: {out_dir}: cannot write ({e.strerror or e})") from None
     run, state = build(cfg, log)
     opd = run.step
     ckpt_cfg = dataclasses.replace(cfg.checkpoint, dir=cfg.checkpoint.dir or str(out_dir / "checkpoints"))

@@ -96,3 +96,29 @@ def test_one_step_run_succeeds_or_fails_in_one_line(base, data):
     f.write_text(yaml.safe_dump(_mutate(cfg, path, "set", value)))
     code, err = _run(["train", str(f), f"train.out_dir={tmp / 'run'}", f"train.cache_dir={tmp / 'cache'}"])
     assert code in (0, 1, 3) or _one_clean_line(code, err), (path, value, code, err[-2000:])
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["loss.top_k=500"], "RunConfig.loss.top_k=500: larger than the vocabulary"),
+    (["mesh.data=3"], "MeshConfig: mesh (data=3"),
+    (["sampling.top_p=1.5"], "RunConfig.sampling.top_p"),
+    (["data.batch_size=0"], "RunConfig.data.batch_size"),
+    (["teacher.path=/nonexistent/model"], "RunConfig.teacher.path: /nonexistent/model does not exist"),
+    (["data.task=jsonl", "data.train_path={tmp}/empty.jsonl", "data.heldout_path={tmp}/empty.jsonl"],
+     "file is empty"),
+    (["data.task=jsonl", "data.train_path={tmp}/bad.jsonl", "data.heldout_path={tmp}/bad.jsonl"],
+     "bad.jsonl:2: not valid JSON"),
+    (["train.out_dir={tmp}/afile/sub"], "RunConfig.train.out_dir: "),
+    (["checkpoint.dir={tmp}/afile/ck"], "CheckpointConfig.dir: "),
+    (["data.max_prompt_len=8"], "arithmetic train #0 (question): 37 tokens after chat formatting > DataConfig.max_prompt_len=8"),
+])
+def test_named_bad_inputs_fail_in_one_line(base, overrides, named):
+    tmp, cfg = base
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "bad.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
+    (tmp / "afile").write_text("")
+    f = tmp / "ok.yaml"
+    f.write_text(yaml.safe_dump(cfg))
+    over = [o.format(tmp=tmp) for o in overrides]
+    code, err = _run(["train", str(f), f"train.cache_dir={tmp / 'cache'}", f"train.out_dir={tmp / 'out'}", *over])
+    assert _one_clean_line(code, err) and code == 2 and named in err, err[-1500:]
