@@ -8,6 +8,9 @@ command after a kill continues where it stopped. Then every run is compared with
 training seed (the per-run quality rule), every setup with all baseline seeds (the seed-aware rule), and the
 pass/fail bracket is read off the mismatch axis. Writes OUT/runs.csv, OUT/setups.csv, OUT/summary.json,
 OUT/bracket.png and, with a `screen` section, OUT/screen.json (offline decisions vs the full runs' verdicts).
+With `methods` (a contrast: e.g. OPD vs REINFORCE vs GRPO on the same setups), every method runs the baseline and
+every setup, each is judged by its own rule (the quality rule, or the RL broke criterion of `jopd compare --rl`)
+against its own baseline, and OUT/contrast.{json,png} put them side by side.
 """
 
 from __future__ import annotations
@@ -40,6 +43,20 @@ def run(args: argparse.Namespace) -> int:
         (out / "runs_log.jsonl").open("a").write("".join(json.dumps(r) + "\n" for r in records))
         if any(r["status"] == "interrupted" for r in records):
             return 0
+    if sweep.methods is not None:  # a contrast of methods: each judged by its own rule, then side by side
+        results = {}
+        for method in sweep.methods:
+            results[method] = sweep_report.analyze(sweep, method)
+            sweep_report.write_tables(results[method], out / method)
+            if results[method]["rule"] == "quality":
+                sweep_report.plot(results[method], out / method / "bracket.png")
+            print(sweep_report.table(results[method]))
+        c = sweep_report.contrast(results)
+        (out / "contrast.json").write_text(json.dumps(c, indent=2, default=float) + "\n")
+        sweep_report.plot_contrast(c, out / "contrast.png")
+        print(sweep_report.contrast_table(c))
+        print(f"wrote {out}/contrast.json, contrast.png and per-method tables ({time.perf_counter() - t0:.0f} s)")
+        return 0
     result = sweep_report.analyze(sweep)
     sweep_report.write_tables(result, out)
     sweep_report.plot(result, out / "bracket.png")
@@ -48,17 +65,30 @@ def run(args: argparse.Namespace) -> int:
         from jopd.lab.screen import screen
 
         sc = sweep.screen
-        verdicts = {s["setup"]: s["per_run_verdicts"] for s in result["setups"]}
-        cal = [{"label": f"{r['setup']}/seed{r['seed']}", "setup": r["setup"], "verdict": r["verdict"]}
-               for r in result["runs"] if r["setup"] in sc.calibration]
         configs = {s.name: run_config(sweep, s, s.seeds[0]) for s in sweep.all_setups()}
         student = None
         if sc.student == "baseline":
             student = str(out / sweep.baseline.name / f"seed{sweep.baseline.seeds[0]}")
         in_run = {s["setup"]: s["mismatch"] for s in result["setups"]}
-        report = screen(cal, [(n, configs[n], verdicts.get(n, [])) for n in sc.candidates], student=student,
-                        batches=sc.batches, resamples=sc.resamples, setup_configs=configs, in_run=in_run, log=log)
-        (out / "screen.json").write_text(json.dumps(report.to_dict(), indent=2, default=float) + "\n")
-        print(report.table())
+        setups = {s["setup"]: s for s in result["setups"]}
+        # per run: every run of a calibration setup is a point, every run of a candidate a check (the seed
+        # study's one-run rule); seed-aware: one point / one check per setup, its verdict over all its seeds
+        modes = {
+            "per_run": ([{"label": f"{r['setup']}/seed{r['seed']}", "setup": r["setup"], "verdict": r["verdict"]}
+                         for r in result["runs"] if r["setup"] in sc.calibration],
+                        {n: setups[n]["per_run_verdicts"] for n in sc.candidates if n in setups}),
+            "seed_aware": ([{"label": n, "setup": n, "verdict": setups[n]["seed_aware"]["verdict"]}
+                            for n in sc.calibration if n in setups],
+                           {n: [setups[n]["seed_aware"]["verdict"]] for n in sc.candidates if n in setups}),
+        }
+        measured: dict = {}
+        reports = {}
+        for mode, (cal, truth) in modes.items():
+            rep = screen(cal, [(n, configs[n], truth.get(n, [])) for n in sc.candidates], student=student,
+                         batches=sc.batches, resamples=sc.resamples, setup_configs=configs, in_run=in_run,
+                         measured=measured, verdicts=mode.replace("_", "-"), log=log)
+            reports[mode] = rep.to_dict()
+            print(rep.table())
+        (out / "screen.json").write_text(json.dumps(reports, indent=2, default=float) + "\n")
     print(f"wrote {out}/summary.json, runs.csv, setups.csv, bracket.png ({time.perf_counter() - t0:.0f} s)")
     return 0

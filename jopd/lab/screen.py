@@ -44,7 +44,7 @@ class ScreenReport:
     def table(self) -> str:
         c = self.calibration
         high = "none failed" if c.bracket_high is None else f"{c.bracket_high:.4g}"
-        lines = [f"budget ({self.scale} mismatch, nats/token): bracket ({c.bracket_low:.4g}, {high}], admission "
+        lines = [f"budget ({self.scale}; nats/token): bracket ({c.bracket_low:.4g}, {high}], admission "
                  f"threshold {c.threshold:.4g}; {c.note}"]
         if c.non_monotone:
             lines.append("  non-monotone: " + ", ".join(f"{r['label']} PASS at {r['mismatch']:.4g}"
@@ -80,12 +80,14 @@ def measure_setup(name: str, cfg: RunConfig, student: str | None, batches: int, 
 def screen(calibration_runs: list[dict[str, Any]], candidates: list[tuple[str, RunConfig, list[str]]], *,
            student: str | None, batches: int, resamples: int, scale: Literal["offline", "in_run"] = "offline",
            setup_configs: dict[str, RunConfig] | None = None, in_run: dict[str, float] | None = None,
-           log=print) -> ScreenReport:
+           measured: dict[str, Measured] | None = None, verdicts: str = "per run", log=print) -> ScreenReport:
     """`calibration_runs`: one dict per full run {label, setup, verdict}; `setup_configs[setup]` is the config to
     measure a calibration setup with (offline scale); `in_run[setup]` its runs' mean logged mismatch.
-    `candidates`: (name, config, the verdicts of its full runs if any, for the match count)."""
+    `candidates`: (name, config, the verdicts of its full runs if any, for the match count). `measured`: a
+    cache of offline measurements shared between calls (filled here); `verdicts` names where the verdicts
+    come from, for the report."""
     in_run = in_run or {}
-    measured: dict[str, Measured] = {}
+    measured = {} if measured is None else measured
 
     def offline(name: str, cfg: RunConfig) -> Measured:
         if name not in measured:
@@ -102,12 +104,14 @@ def screen(calibration_runs: list[dict[str, Any]], candidates: list[tuple[str, R
         points.append({"label": r["label"], "setup": r["setup"], "mismatch": float(m), "verdict": r["verdict"]})
     cal = calibrate([(p["mismatch"], p["verdict"]) for p in points], labels=[p["label"] for p in points])
     decisions, decided, truth = [], [], []
-    for name, cfg, verdicts in candidates:
+    for name, cfg, full_runs in candidates:
         o = offline(name, cfg).offline
         d = decide(o["mean"], o["ci_low"], o["ci_high"], cal).to_dict()
-        decisions.append({"name": name, **d, "full_run_verdicts": list(verdicts)})
-        for v in verdicts:  # one comparison per full run of the candidate
+        decisions.append({"name": name, **d, "full_run_verdicts": list(full_runs)})
+        for v in full_runs:  # one comparison per full run of the candidate
             decided.append(d["decision"])
             truth.append(v)
     matches = count_matches(decided, truth).to_dict() if truth else None
-    return ScreenReport(scale, cal, points, list(measured.values()), decisions, matches)
+    names = {p["setup"] for p in points} | {name for name, _, _ in candidates}
+    return ScreenReport(f"{scale} mismatch, {verdicts} verdicts", cal, points,
+                        [m for n, m in measured.items() if n in names], decisions, matches)

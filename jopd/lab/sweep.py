@@ -19,34 +19,39 @@ from jopd.lab.sweep_config import SetupConfig, SweepConfig
 from jopd.opd.run_config import RunConfig, load_config
 
 
-def run_dir(sweep: SweepConfig, setup: str, seed: int) -> Path:
-    return Path(sweep.out_dir) / setup / f"seed{seed}"
+def run_dir(sweep: SweepConfig, setup: str, seed: int, method: str | None = None) -> Path:
+    root = Path(sweep.out_dir) if method is None else Path(sweep.out_dir) / method
+    return root / setup / f"seed{seed}"
 
 
-def run_config(sweep: SweepConfig, setup: SetupConfig, seed: int) -> RunConfig:
-    """The run config of one (setup, seed): base, sweep overrides, setup overrides, then the seed and directory.
-    Mismatch is always measured exactly (the x axis of the study)."""
-    return load_config(sweep.base, [*sweep.overrides, *setup.overrides, f"train.seed={seed}",
-                                    f"train.out_dir={run_dir(sweep, setup.name, seed)}", "train.mismatch=exact"])
+def run_config(sweep: SweepConfig, setup: SetupConfig, seed: int, method: str | None = None) -> RunConfig:
+    """The run config of one (method, setup, seed): base, sweep overrides, the method's, the setup's, then the
+    seed and directory. Mismatch is always measured exactly (the x axis of the study)."""
+    method_over = sweep.methods[method].overrides if method is not None else ()
+    return load_config(sweep.base, [*sweep.overrides, *method_over, *setup.overrides, f"train.seed={seed}",
+                                    f"train.out_dir={run_dir(sweep, setup.name, seed, method)}",
+                                    "train.mismatch=exact"])
 
 
-def planned_runs(sweep: SweepConfig) -> list[tuple[SetupConfig, int]]:
-    """Baseline seeds first (every rule compares against them), then the setups in file order."""
-    return [(s, seed) for s in sweep.all_setups() for seed in s.seeds]
+def planned_runs(sweep: SweepConfig) -> list[tuple[str | None, SetupConfig, int]]:
+    """Per method: the baseline seeds first (every rule compares against them), then the setups in file order."""
+    return [(m, s, seed) for m in sweep.method_names() for s in sweep.all_setups() for seed in s.seeds]
 
 
 def check_configs(sweep: SweepConfig) -> None:
     """Every run's config is valid before the first one starts (a typo in the last setup fails now, not in an hour)."""
-    for setup, seed in planned_runs(sweep):
+    for method, setup, seed in planned_runs(sweep):
         try:
-            run_config(sweep, setup, seed)
+            run_config(sweep, setup, seed, method)
         except ValueError as e:
-            raise ValueError(f"sweep setup {setup.name!r}: {e}") from None
+            where = setup.name if method is None else f"{method}/{setup.name}"
+            raise ValueError(f"sweep setup {where!r}: {e}") from None
 
 
 def _share_before_eval(sweep: SweepConfig, target: Path) -> None:
-    for setup, seed in planned_runs(sweep):
-        src = run_dir(sweep, setup.name, seed) / "eval"
+    """The starting student's eval is the same for every run of a sweep (all methods start from it)."""
+    for method, setup, seed in planned_runs(sweep):
+        src = run_dir(sweep, setup.name, seed, method) / "eval"
         if (src / "before.json").is_file() and (src / "before.csv").is_file():
             (target / "eval").mkdir(parents=True, exist_ok=True)
             for name in ("before.json", "before.csv"):
@@ -64,18 +69,18 @@ def run_sweep(sweep: SweepConfig, log=print) -> list[dict]:
     check_configs(sweep)
     records = []
     runs = planned_runs(sweep)
-    for i, (setup, seed) in enumerate(tqdm(runs, desc="sweep", dynamic_ncols=True)):
-        out = run_dir(sweep, setup.name, seed)
+    for i, (method, setup, seed) in enumerate(tqdm(runs, desc="sweep", dynamic_ncols=True)):
+        out = run_dir(sweep, setup.name, seed, method)
+        rec = {"method": method, "setup": setup.name, "seed": seed, "dir": str(out)}
         if is_finished(out):
-            records.append({"setup": setup.name, "seed": seed, "dir": str(out), "status": "done", "wall_s": 0.0})
+            records.append(rec | {"status": "done", "wall_s": 0.0})
             continue
         log(f"[{i + 1}/{len(runs)}] {setup.name} seed {seed} -> {out}")
         _share_before_eval(sweep, out)
         t0 = time.perf_counter()
-        summary = train(run_config(sweep, setup, seed), log=log)
+        summary = train(run_config(sweep, setup, seed, method), log=log)
         status = "trained" if "after" in summary else "interrupted"
-        records.append({"setup": setup.name, "seed": seed, "dir": str(out), "status": status,
-                        "wall_s": time.perf_counter() - t0})
+        records.append(rec | {"status": status, "wall_s": time.perf_counter() - t0})
         if status == "interrupted":  # preempted (SIGTERM/SIGINT): the run saved its state; a rerun resumes it
             log(f"{out}: stopped at step {summary['steps']}; rerun the sweep to resume")
             break

@@ -9,6 +9,9 @@ then the quality rule per run and a seed-aware verdict per setup, and optionally
       - {name: noise_1.0, overrides: [rollout_precision.logit_noise=1.0], seeds: [0, 1]}
     quality: {eval: after, threshold: 0.2, resamples: 10000}
     screen: {calibration: [noise_1.0, ...], candidates: [bf16, ...], batches: 4, student: start}
+    methods:                              # optional: a contrast of training methods on the same setups
+      opd: {overrides: [loss.kind=topk_rkl]}
+      grpo: {overrides: [loss.kind=grpo], rule: broke}
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ class SetupConfig:
         if not seeds or len(set(seeds)) != len(seeds):
             raise ValueError(f"must be a non-empty list of distinct seeds, got {list(seeds)}")
         return seeds
+
+
+@config_dataclass
+class MethodConfig:
+    """One training method of a contrast sweep (e.g. OPD vs REINFORCE vs GRPO): its overrides, and the rule
+    that judges its runs against its own standard-engine baseline."""
+
+    overrides: tuple[str, ...] = ()
+    rule: Literal["quality", "broke"] = "quality"  # quality: OPD's rule; broke: `jopd.lab.rl_verdict`
 
 
 @config_dataclass
@@ -65,12 +77,18 @@ class SweepConfig:
     overrides: tuple[str, ...] = ()
     quality: QualityConfig = QualityConfig()
     screen: ScreenConfig | None = None
+    # a contrast sweep: every method runs the baseline and every setup (RUN = OUT/<method>/<setup>/seed<k>)
+    methods: dict[str, MethodConfig] | None = None
 
     def __post_init__(self):
         names = [self.baseline.name] + [s.name for s in self.setups]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"setups: duplicate names {dup}")
+        if self.methods is not None and self.screen is not None:
+            raise ValueError("screen: not available in a sweep with methods (screen one method's sweep)")
+        if self.methods is not None and not self.methods:
+            raise ValueError("methods: empty (leave it out for a one-method sweep)")
         if self.screen is not None:
             for field in ("calibration", "candidates"):
                 unknown = [n for n in getattr(self.screen, field) if n not in names]
@@ -82,6 +100,10 @@ class SweepConfig:
 
     def setup(self, name: str) -> SetupConfig:
         return next(s for s in self.all_setups() if s.name == name)
+
+    def method_names(self) -> tuple[str | None, ...]:
+        """The methods in file order, or (None,) for a one-method sweep."""
+        return tuple(self.methods) if self.methods else (None,)
 
 
 def load_sweep(path: str) -> SweepConfig:

@@ -19,8 +19,8 @@ from jopd.lab.sweep import run_dir
 from jopd.lab.sweep_config import SweepConfig
 
 
-def _run_record(sweep: SweepConfig, setup: str, seed: int) -> dict[str, Any]:
-    d = run_dir(sweep, setup, seed)
+def _run_record(sweep: SweepConfig, setup: str, seed: int, method: str | None = None) -> dict[str, Any]:
+    d = run_dir(sweep, setup, seed, method)
     ev = quality.read_eval(d, sweep.quality.eval)
     mm = quality.mean_mismatch(d)
     if mm is None:
@@ -30,11 +30,14 @@ def _run_record(sweep: SweepConfig, setup: str, seed: int) -> dict[str, Any]:
             "divergence": float(np.mean(ev.divergence)), "accuracy": float(summary.get("accuracy", math.nan))}
 
 
-def analyze(sweep: SweepConfig) -> dict[str, Any]:
+def analyze(sweep: SweepConfig, method: str | None = None) -> dict[str, Any]:
     """Every run's verdict (vs the baseline run with its seed, else the baseline's first seed), each setup's
-    seed-aware verdict (vs all baseline seeds), the per-run and seed-aware brackets, the baseline spread."""
+    seed-aware verdict (vs all baseline seeds), the per-run and seed-aware brackets, the baseline spread.
+    A method judged by the broke rule (RL) gets `analyze_broke` instead."""
+    if method is not None and sweep.methods[method].rule == "broke":
+        return analyze_broke(sweep, method)
     q = sweep.quality
-    base = {s: _run_record(sweep, sweep.baseline.name, s) for s in sweep.baseline.seeds}
+    base = {s: _run_record(sweep, sweep.baseline.name, s, method) for s in sweep.baseline.seeds}
     first = sweep.baseline.seeds[0]
     base_arrays = [quality.pair(b["eval"], base[first]["eval"])[1] for b in base.values()]
     runs, setups = [], []
@@ -43,7 +46,7 @@ def analyze(sweep: SweepConfig) -> dict[str, Any]:
         v = quality.quality_rule(run_B, base_B, q.threshold, q.resamples, q.seed)
         runs.append(_row(base[s], v, paired_with=first, baseline=True))
     for setup in sweep.setups:
-        recs = [_run_record(sweep, setup.name, s) for s in setup.seeds]
+        recs = [_run_record(sweep, setup.name, s, method) for s in setup.seeds]
         arrays = []
         for r in recs:
             b = base.get(r["seed"], base[first])
@@ -63,7 +66,7 @@ def analyze(sweep: SweepConfig) -> dict[str, Any]:
     base_means = [b["divergence"] for b in base.values()]
     grand = float(np.mean(base_means))
     setup_runs = [r for r in runs if not r["baseline"]]
-    out = {"threshold": q.threshold, "eval": q.eval,
+    out = {"method": method, "rule": "quality", "threshold": q.threshold, "eval": q.eval,
            "baseline": {"setup": sweep.baseline.name, "seeds": list(sweep.baseline.seeds),
                         "divergence_per_seed": base_means, "accuracy_per_seed": [b["accuracy"] for b in base.values()],
                         "seed_rises": [m / grand - 1 for m in base_means],
@@ -75,6 +78,40 @@ def analyze(sweep: SweepConfig) -> dict[str, Any]:
            "bracket_seed_aware": _bracket([(s["mismatch"], s["seed_aware"]["verdict"]) for s in setups],
                                           [s["setup"] for s in setups])}
     return out
+
+
+def analyze_broke(sweep: SweepConfig, method: str) -> dict[str, Any]:
+    """RL runs: the broke criterion (`jopd.lab.rl_verdict`) of every run against the method's standard-engine
+    run of the same seed (else its first seed); per setup, how many of its seeds broke."""
+    from jopd.lab.rl_verdict import rl_verdict
+
+    q = sweep.quality
+    first = sweep.baseline.seeds[0]
+    base_dir = lambda seed: run_dir(sweep, sweep.baseline.name, seed if seed in sweep.baseline.seeds else first,  # noqa: E731
+                                    method)
+    runs, setups = [], []
+    for setup in sweep.setups:
+        rows = []
+        for seed in setup.seeds:
+            rec = _run_record(sweep, setup.name, seed, method)
+            v = rl_verdict(rec["dir"], base_dir(seed), q.eval)
+            rows.append({"setup": setup.name, "seed": seed, "baseline": False, "mismatch": rec["mismatch"],
+                         "divergence": rec["divergence"], "accuracy": rec["accuracy"],
+                         "base_accuracy": v.accuracy.base_accuracy, "acc_diff": v.accuracy.diff_mean,
+                         "ci_low": v.accuracy.ci_low, "ci_high": v.accuracy.ci_high, "verdict": v.verdict,
+                         "reasons": [v.accuracy.reason] * v.accuracy.broke + list(v.collapse.signals),
+                         "final_reward": v.collapse.reward, "final_entropy": v.collapse.entropy})
+        runs += rows
+        setups.append({"setup": setup.name, "seeds": list(setup.seeds), "overrides": list(setup.overrides),
+                       "mismatch": float(np.mean([r["mismatch"] for r in rows])),
+                       "per_run_verdicts": [r["verdict"] for r in rows],
+                       "broke": sum(r["verdict"] == "BROKE" for r in rows),
+                       "acc_diff_mean": float(np.mean([r["acc_diff"] for r in rows]))})
+    base = [_run_record(sweep, sweep.baseline.name, s, method) for s in sweep.baseline.seeds]
+    return {"method": method, "rule": "broke", "eval": q.eval, "runs": runs, "setups": setups,
+            "baseline": {"setup": sweep.baseline.name, "seeds": list(sweep.baseline.seeds),
+                         "accuracy_per_seed": [b["accuracy"] for b in base],
+                         "divergence_per_seed": [b["divergence"] for b in base]}}
 
 
 def _row(rec: dict[str, Any], v: quality.QualityVerdict, *, paired_with: int, baseline: bool = False) -> dict:
@@ -96,6 +133,13 @@ def _bracket(points, labels) -> dict[str, Any] | None:
 def write_tables(result: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    if result["rule"] == "broke":
+        cols = ["setup", "seed", "mismatch", "accuracy", "base_accuracy", "acc_diff", "ci_low", "ci_high", "verdict"]
+        with open(out_dir / "runs.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, cols)
+            w.writeheader()
+            w.writerows({k: r[k] for k in cols} for r in result["runs"])
+        return
     cols = ["setup", "seed", "baseline", "paired_with_base_seed", "mismatch", "divergence", "accuracy", "rise",
             "diff_mean", "ci_low", "ci_high", "verdict"]
     with open(out_dir / "runs.csv", "w", newline="") as f:
@@ -115,6 +159,16 @@ def write_tables(result: dict[str, Any], out_dir: Path) -> None:
 
 def table(result: dict[str, Any]) -> str:
     b = result["baseline"]
+    if result["rule"] == "broke":
+        lines = [f"{result['method']}: baseline {b['setup']} held-out accuracy per seed "
+                 + " · ".join(f"{a:.1%}" for a in b["accuracy_per_seed"]),
+                 f"{'setup':16s} {'mismatch':>9s}  accuracy change per seed (verdict)"]
+        for s in sorted(result["setups"], key=lambda s: s["mismatch"]):
+            rows = [r for r in result["runs"] if r["setup"] == s["setup"]]
+            per = "  ".join(f"{r['acc_diff']:+.1%} [{r['ci_low']:+.1%}, {r['ci_high']:+.1%}] {r['verdict']}"
+                            for r in rows)
+            lines.append(f"{s['setup']:16s} {s['mismatch']:9.3g}  {per}")
+        return "\n".join(lines)
     lines = [f"baseline {b['setup']}: held-out divergence per seed "
              + " · ".join(f"{m:.3f}" for m in b["divergence_per_seed"])
              + f" (range {b['rel_range']:.1%} of their mean)",
@@ -151,9 +205,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
                label=f"baseline seeds' spread ({len(b['seed_rises'])} seeds)")
     ax.axhline(result["threshold"] * 100, color="C3", ls="--", lw=1, label=f"threshold +{result['threshold']:.0%}")
     ax.axhline(0, color="0.5", lw=0.8)
-    br = result["bracket_per_run"]
-    if br and "error" not in br and br["bracket_high"] is not None:
-        ax.axvspan(br["bracket_low"], br["bracket_high"], color="C1", alpha=0.15, label="bracket (per-run rule)")
+    for key, label in (("bracket_seed_aware", "bracket (seed-aware rule)"), ("bracket_per_run", "bracket (per-run rule)")):
+        br = result[key]
+        if br and "error" not in br and br["bracket_high"] is not None:
+            ax.axvspan(br["bracket_low"], br["bracket_high"], color="C1", alpha=0.15, label=label)
+            break
     runs = [r for r in result["runs"] if not r["baseline"]]
     for verdict, marker, color in (("PASS", "o", "C0"), ("FAIL", "x", "C3")):
         pts = [(r["mismatch"], r["rise"] * 100) for r in runs if r["verdict"] == verdict]
@@ -169,6 +225,68 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("rise in held-out teacher divergence vs baseline (%)")
     ax.set_title("quality rule vs rollout mismatch (bars: seed-aware rise, 95% CI)", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def contrast(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One row per (method, setup): mean mismatch, the verdict of each seed's run, how many broke/failed, and the
+    effect (OPD: rise of held-out teacher divergence; RL: change of held-out accuracy)."""
+    rows = []
+    for method, res in results.items():
+        for s in res["setups"]:
+            runs = [r for r in res["runs"] if r["setup"] == s["setup"] and not r.get("baseline")]
+            bad = sum(r["verdict"] in ("FAIL", "BROKE") for r in runs)
+            effect = [r["rise"] if res["rule"] == "quality" else r["acc_diff"] for r in runs]
+            rows.append({"method": method, "setup": s["setup"], "rule": res["rule"], "mismatch": s["mismatch"],
+                         "verdicts": [r["verdict"] for r in runs], "bad": bad, "n": len(runs),
+                         "effect_per_seed": effect, "effect_mean": float(np.mean(effect)),
+                         "effect": "rise of teacher divergence" if res["rule"] == "quality" else "accuracy change"})
+    return {"rows": rows}
+
+
+def contrast_table(c: dict[str, Any]) -> str:
+    lines = [f"{'method':10s} {'setup':14s} {'mismatch':>9s} {'effect per seed':>26s}  verdicts"]
+    for r in c["rows"]:
+        eff = " ".join(f"{e:+.1%}" for e in r["effect_per_seed"])
+        lines.append(f"{r['method']:10s} {r['setup']:14s} {r['mismatch']:9.3g} {eff:>26s}  {' '.join(r['verdicts'])}"
+                     f" ({r['bad']}/{r['n']} {'failed' if r['rule'] == 'quality' else 'broke'})")
+    return "\n".join(lines)
+
+
+def plot_contrast(c: dict[str, Any], path: Path) -> None:
+    """Per setup (by mismatch): each method's effect per seed, hollow markers where the run failed/broke."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in c["rows"]))
+    setups = sorted(dict.fromkeys(r["setup"] for r in c["rows"]),
+                    key=lambda n: next(r["mismatch"] for r in c["rows"] if r["setup"] == n))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, rule, label in ((axes[0], "quality", "OPD: rise of held-out teacher divergence (%)"),
+                            (axes[1], "broke", "RL: change of held-out accuracy (points)")):
+        mine = [m for m in methods if any(r["method"] == m and r["rule"] == rule for r in c["rows"])]
+        for k, m in enumerate(mine):
+            for i, name in enumerate(setups):
+                r = next((r for r in c["rows"] if r["method"] == m and r["setup"] == name), None)
+                if r is None:
+                    continue
+                for e, v in zip(r["effect_per_seed"], r["verdicts"]):
+                    bad = v in ("FAIL", "BROKE")
+                    ax.scatter(i + (k - (len(mine) - 1) / 2) * 0.2, e * 100, color=f"C{methods.index(m)}",
+                               marker="X" if bad else "o", s=60 if bad else 30,
+                               label=m if (i == 0 and e == r["effect_per_seed"][0]) else None)
+        ax.axhline(0, color="0.5", lw=0.8)
+        if rule == "quality":
+            ax.axhline(20, color="C3", ls="--", lw=1)
+        ax.set_xticks(range(len(setups)), [f"{n}\n{next(r['mismatch'] for r in c['rows'] if r['setup'] == n):.2g}"
+                                           for n in setups], fontsize=8)
+        ax.set_xlabel("rollout setup (mean mismatch, nats/token)")
+        ax.set_ylabel(label, fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle("the same rollout mismatch under OPD and under RL (X: failed / broke)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

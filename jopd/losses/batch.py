@@ -21,6 +21,7 @@ class LossBatch:
     response_mask_BxT: Bool[Array, "B T"]  # positions that may count (before special-token masking)
     teacher_topk_ids_BxTxK: Int[Array, "B T K"] | None = None  # teacher's top-K ids (topk kinds)
     teacher_topk_logprobs_BxTxK: Float[Array, "B T K"] | None = None  # their log-probs under the full softmax
+    support_mask_BxTxK: Bool[Array, "B T K"] | None = None  # union supports: False on a repeated id
     teacher_target_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_t(target)
     teacher_logits_BxTxV: Float[Array, "B T V"] | None = None  # full teacher logits (rkl / fkl / jsd)
     sampler_logprobs_BxT: Float[Array, "B T"] | None = None  # log q(target) from the rollout engine

@@ -87,12 +87,15 @@ def teacher_scores(
     targets_BxT: Int[Array, "B T"] | None = None,
     temperature: float = 1.0,
     dtype=jnp.float32,
+    extra_ids_BxTxE: Int[Array, "B T E"] | None = None,
 ) -> dict[str, jax.Array]:
     """Teacher top-K of its FULL softmax (at `temperature`), computed chunk by chunk; no gradient.
 
     Returns `LossBatch` fields: teacher_topk_ids_BxTxK int32, teacher_topk_logprobs_BxTxK fp32 (log-probs under
     the full-vocabulary softmax, descending), and, when `targets_BxT` is given, teacher_target_logprobs_BxT
-    (log pi_t of each target token, for sampled-token OPD).
+    (log pi_t of each target token, for sampled-token OPD). With `extra_ids_BxTxE` (e.g. the student's top-K
+    ids, the sampled token) the support is the teacher's top-K followed by those ids, [B, T, K + E], scored at
+    the same softmax, and `support_mask_BxTxK` marks each id's first occurrence (a repeated id counts once).
     """
     hidden = jax.lax.stop_gradient(teacher_hidden_BxTxD)
     params = jax.lax.stop_gradient(head_params(teacher_params))
@@ -105,13 +108,25 @@ def teacher_scores(
         z = logits_BxCxV / temperature
         lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
         values, ids = jax.lax.top_k(z, k)
-        out = {"teacher_topk_ids_BxTxK": ids.astype(jnp.int32), "teacher_topk_logprobs_BxTxK": values - lse}
+        ids = ids.astype(jnp.int32)
+        if "extra" in inp:
+            extra = inp["extra"].astype(jnp.int32)
+            ids = jnp.concatenate([ids, extra], axis=-1)
+            values = jnp.concatenate([values, jnp.take_along_axis(z, extra, axis=-1)], axis=-1)
+            K = ids.shape[-1]
+            earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [i, j]: j comes before i
+            repeated = jnp.any((ids[..., :, None] == ids[..., None, :]) & earlier, axis=-1)
+        out = {"teacher_topk_ids_BxTxK": ids, "teacher_topk_logprobs_BxTxK": values - lse}
+        if "extra" in inp:
+            out["support_mask_BxTxK"] = ~repeated
         if "targets" in inp:
             t = inp["targets"].astype(jnp.int32)[..., None]
             out["teacher_target_logprobs_BxT"] = (jnp.take_along_axis(z, t, axis=-1) - lse)[..., 0]
         return out
 
     inputs = {} if targets_BxT is None else {"targets": targets_BxT}
+    if extra_ids_BxTxE is not None:
+        inputs["extra"] = extra_ids_BxTxE
     return chunked_logits_map(fn, params, hidden, inputs, chunk, dtype=dtype, remat=False)
 
 

@@ -25,6 +25,11 @@ class LossConfig:
     # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`jopd.rl`).
     kind: LossKind = "topk_rkl"
     top_k: Annotated[int, pydantic.Field(ge=1)] = 32  # K; must match the teacher top-K in the batch
+    # The support S of the topk kinds (orthogonal to renormalized vs tail): the teacher's top-K, or its union
+    # with the student's top-K (taken from the sampler's logits at rollout time); `support_sampled` adds the
+    # sampled token. The teacher is scored at every id of S; repeated ids count once (`support_mask_BxTxK`).
+    support: Literal["teacher_topk", "union"] = "teacher_topk"
+    support_sampled: bool = False
     # GKD convention: JSD_b = b KL(p_t||m) + (1-b) KL(p_s||m), m = b p_t + (1-b) p_s, with the limits of
     # JSD_b/b and JSD_b/(1-b) at the ends: b=0 -> forward KL(p_t||p_s), b=1 -> reverse KL(p_s||p_t).
     jsd_beta: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.5
@@ -39,8 +44,10 @@ class LossConfig:
     is_cap: Annotated[float, _Pos] = 2.0
     icepop_low: Annotated[float, pydantic.Field(ge=0.0)] = 0.5
     icepop_high: Annotated[float, _Pos] = 5.0
-    # Positions whose TARGET token is one of these ids (special / chat-template tokens) are masked out.
+    # Positions whose TARGET token is one of these ids are masked out, wherever they occur.
     special_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
+    # Masked at their first occurrence in each response only (chat-template tokens where the template writes them).
+    template_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
     # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats).
     chunk_size: Annotated[int, pydantic.Field(ge=1)] = 128
     # RL kinds (reinforce / grpo). Set them as `rl.*` in a run config: `opd.step.build_step` copies them here
@@ -51,6 +58,15 @@ class LossConfig:
     kl_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0  # + kl_coef * k3(pi_theta || pi_ref) per token
     # Denominator = rows x response slots (a constant per batch shape) instead of the count of loss tokens.
     token_sum_norm: bool = False
+
+    @property
+    def support_size(self) -> int:
+        """Ids per position in the support (repeats included): K, 2K for a union, +1 with the sampled token."""
+        return self.top_k * (2 if self.support == "union" else 1) + int(self.support_sampled)
+
+    @property
+    def extra_support(self) -> bool:
+        return self.support != "teacher_topk" or self.support_sampled
 
     @pydantic.field_validator("icepop_high")
     @classmethod

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 def token_logprobs(logits_NxV: Float[Array, "*N V"], targets_N: Int[Array, "*N"]) -> Float[Array, "*N"]:
@@ -37,21 +37,38 @@ def topk_reverse_kl(
                                                                                      teacher_ids_NxK)
 
 
+def _masked(x_NxK: jax.Array, mask_NxK: jax.Array | None) -> jax.Array:
+    """Entries outside the support mask (a repeated id of a union support) get -inf: zero mass."""
+    return x_NxK if mask_NxK is None else jnp.where(mask_NxK, x_NxK, -jnp.inf)
+
+
+def _support_kl(log_p_NxK: jax.Array, log_q_NxK: jax.Array, mask_NxK: jax.Array | None) -> jax.Array:
+    """sum over the support of p (log p - log q); masked entries contribute exactly 0, and so do their gradients
+    (their -inf log-probs are replaced before the product, so no 0 * inf enters the forward or the backward)."""
+    if mask_NxK is not None:
+        log_p_NxK, log_q_NxK = jnp.where(mask_NxK, log_p_NxK, 0.0), jnp.where(mask_NxK, log_q_NxK, 0.0)
+    terms = jnp.exp(log_p_NxK) * (log_p_NxK - log_q_NxK)
+    return jnp.sum(terms if mask_NxK is None else jnp.where(mask_NxK, terms, 0.0), axis=-1)
+
+
 def topk_reverse_kl_on_support(
     student_logits_NxK: Float[Array, "*N K"],
     teacher_logprobs_NxK: Float[Array, "*N K"],
+    mask_NxK: Bool[Array, "*N K"] | None = None,
 ) -> Float[Array, "*N"]:
     """`topk_reverse_kl`'s loss from the student's logits at the K support tokens alone: renormalizing on S
-    cancels the student's full-vocabulary logsumexp, so nothing else is needed (nor differentiated)."""
-    log_ps_hat = jax.nn.log_softmax(student_logits_NxK, axis=-1)
-    log_pt_hat = jax.nn.log_softmax(teacher_logprobs_NxK.astype(log_ps_hat.dtype), axis=-1)
-    return jnp.sum(jnp.exp(log_ps_hat) * (log_ps_hat - log_pt_hat), axis=-1)
+    cancels the student's full-vocabulary logsumexp, so nothing else is needed (nor differentiated). `mask`
+    (optional) keeps each support id once: a union of two top-K sets repeats the ids they share."""
+    log_ps_hat = jax.nn.log_softmax(_masked(student_logits_NxK, mask_NxK), axis=-1)
+    log_pt_hat = jax.nn.log_softmax(_masked(teacher_logprobs_NxK.astype(log_ps_hat.dtype), mask_NxK), axis=-1)
+    return _support_kl(log_ps_hat, log_pt_hat, mask_NxK)
 
 
-def topk_mass(student_logits_NxV: Float[Array, "*N V"], ids_NxK: Int[Array, "*N K"]) -> Float[Array, "*N"]:
-    """The student's full-softmax mass on the K given tokens (a stop-gradient metric)."""
+def topk_mass(student_logits_NxV: Float[Array, "*N V"], ids_NxK: Int[Array, "*N K"],
+              mask_NxK: Bool[Array, "*N K"] | None = None) -> Float[Array, "*N"]:
+    """The student's full-softmax mass on the given tokens, each counted once (a stop-gradient metric)."""
     logits = jax.lax.stop_gradient(student_logits_NxV)
-    s_on_support = jnp.take_along_axis(logits, ids_NxK.astype(jnp.int32), axis=-1)
+    s_on_support = _masked(jnp.take_along_axis(logits, ids_NxK.astype(jnp.int32), axis=-1), mask_NxK)
     return jnp.exp(jax.nn.logsumexp(s_on_support, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
 
 
@@ -65,6 +82,7 @@ def topk_tail_reverse_kl(
     student_logits_NxV: Float[Array, "*N V"],
     teacher_ids_NxK: Int[Array, "*N K"],
     teacher_logprobs_NxK: Float[Array, "*N K"],
+    mask_NxK: Bool[Array, "*N K"] | None = None,
 ) -> tuple[Float[Array, "*N"], Float[Array, "*N"]]:
     """Reverse KL between the two distributions coarse-grained to K + 1 outcomes: each of the teacher's top-K
     tokens S (probabilities under the full softmaxes, not renormalized) and "any other token" (the tail).
@@ -72,15 +90,15 @@ def topk_tail_reverse_kl(
     loss = sum_{v in S} p_s(v) (log p_s(v) - log p_t(v)) + p_s(tail) (log p_s(tail) - log p_t(tail)).
     Unlike `topk_reverse_kl`, mass the student moves off the teacher's top-K is penalized; it is a lower bound
     of the full reverse KL (coarse-graining never increases KL) and equals it when K = V. Needs the same batch
-    (teacher top-K ids and full-softmax log-probs). Returns (loss, student top-K mass, stop-gradient).
+    (teacher top-K ids and full-softmax log-probs). `mask` keeps each id of a union support once. Returns
+    (loss, student mass on the support, stop-gradient).
     """
     s_on_support = jnp.take_along_axis(student_logits_NxV, teacher_ids_NxK.astype(jnp.int32), axis=-1)
-    log_ps = s_on_support - jax.nn.logsumexp(student_logits_NxV, axis=-1, keepdims=True)
-    log_pt = teacher_logprobs_NxK.astype(log_ps.dtype)
+    log_ps = _masked(s_on_support - jax.nn.logsumexp(student_logits_NxV, axis=-1, keepdims=True), mask_NxK)
+    log_pt = _masked(teacher_logprobs_NxK.astype(log_ps.dtype), mask_NxK)
     log_ps_tail = _log1m_mass(jax.nn.logsumexp(log_ps, axis=-1))
     log_pt_tail = _log1m_mass(jax.nn.logsumexp(log_pt, axis=-1))
-    loss = (jnp.sum(jnp.exp(log_ps) * (log_ps - log_pt), axis=-1)
-            + jnp.exp(log_ps_tail) * (log_ps_tail - log_pt_tail))
+    loss = _support_kl(log_ps, log_pt, mask_NxK) + jnp.exp(log_ps_tail) * (log_ps_tail - log_pt_tail)
     return loss, jax.lax.stop_gradient(jnp.exp(jax.nn.logsumexp(log_ps, axis=-1)))
 
 

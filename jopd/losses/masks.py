@@ -9,11 +9,15 @@ from jaxtyping import Array, Bool, Float, Int
 
 
 def loss_mask(response_mask_BxT: Bool[Array, "B T"], targets_BxT: Int[Array, "B T"],
-              special_token_ids: Sequence[int] = ()) -> Bool[Array, "B T"]:
-    """Response positions whose target token is not a special / chat-template token."""
+              special_token_ids: Sequence[int] = (), template_token_ids: Sequence[int] = ()) -> Bool[Array, "B T"]:
+    """Response positions that count: not a `special_token_ids` target anywhere, not the first occurrence in
+    its row of a `template_token_ids` target (later occurrences are trained against, like any emitted token)."""
     mask = response_mask_BxT.astype(bool)
     if len(special_token_ids):
         mask = mask & ~jnp.isin(targets_BxT, jnp.asarray(tuple(special_token_ids), dtype=targets_BxT.dtype))
+    for tid in template_token_ids:
+        hit = (targets_BxT == tid) & response_mask_BxT.astype(bool)
+        mask = mask & ~(hit & (jnp.cumsum(hit, axis=1) == 1))
     return mask
 
 

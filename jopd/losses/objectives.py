@@ -78,12 +78,14 @@ class Objective:
 
 def _topk_rkl(cfg, logits, inp):
     support = inp["support_logits"].astype(jnp.float32) / cfg.temperature
-    return {"divergence": div.topk_reverse_kl_on_support(support, inp["teacher_topk_logprobs_BxTxK"]),
-            "topk_mass": div.topk_mass(logits, inp["teacher_topk_ids_BxTxK"])}
+    mask = inp.get("support_mask_BxTxK")
+    return {"divergence": div.topk_reverse_kl_on_support(support, inp["teacher_topk_logprobs_BxTxK"], mask),
+            "topk_mass": div.topk_mass(logits, inp["teacher_topk_ids_BxTxK"], mask)}
 
 
 def _topk_rkl_tail(cfg, logits, inp):
-    loss, mass = div.topk_tail_reverse_kl(logits, inp["teacher_topk_ids_BxTxK"], inp["teacher_topk_logprobs_BxTxK"])
+    loss, mass = div.topk_tail_reverse_kl(logits, inp["teacher_topk_ids_BxTxK"], inp["teacher_topk_logprobs_BxTxK"],
+                                          inp.get("support_mask_BxTxK"))
     return {"divergence": loss, "topk_mass": mass}
 
 
@@ -137,6 +139,8 @@ def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax
 def _chunk_inputs(cfg: LossConfig, batch: LossBatch) -> dict[str, jax.Array]:
     """The fields the chunked map slices: the kind's own, and the sampler's full log-softmax when present."""
     names = ("targets_BxT",) + OBJECTIVES[cfg.kind].chunk_fields + ("sampler_full_logprobs_BxTxV",)
+    if OBJECTIVES[cfg.kind].needs_teacher_topk:
+        names += ("support_mask_BxTxK",)  # set when the support is a union (repeated ids masked)
     return batch.select(names)
 
 
@@ -157,9 +161,13 @@ def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None) -> 
             raise ValueError(f"LossBatch.{name}: shape {tuple(x.shape)} does not start with (B, T)={(B, T)}")
     if obj.needs_teacher_topk:
         ids, lps = batch.teacher_topk_ids_BxTxK, batch.teacher_topk_logprobs_BxTxK
-        if ids.shape != (B, T, cfg.top_k) or lps.shape != ids.shape:
+        K = cfg.support_size
+        if ids.shape != (B, T, K) or lps.shape != ids.shape:
             raise ValueError(f"LossBatch: teacher_topk_ids_BxTxK {tuple(ids.shape)} and teacher_topk_logprobs_BxTxK "
-                             f"{tuple(lps.shape)} must both be (B, T, LossConfig.top_k)={(B, T, cfg.top_k)}")
+                             f"{tuple(lps.shape)} must both be (B, T, LossConfig.support_size)={(B, T, K)}")
+        if cfg.extra_support and batch.support_mask_BxTxK is None:
+            raise ValueError(f"LossBatch.support_mask_BxTxK: missing (needed by LossConfig.support={cfg.support!r}, "
+                             f"support_sampled={cfg.support_sampled})")
     if obj.needs_teacher_logits and vocab is not None and batch.teacher_logits_BxTxV.shape[-1] != vocab:
         raise ValueError(f"LossBatch.teacher_logits_BxTxV: vocab {batch.teacher_logits_BxTxV.shape[-1]} != "
                          f"student vocab {vocab}")
@@ -192,7 +200,7 @@ def _rl_terms(cfg: LossConfig, logp: jax.Array, terms: Mapping[str, jax.Array], 
 
 def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -> tuple[jax.Array, Metrics]:
     """Per-position terms [B, T] -> (scalar loss, metrics); masks, IS weights and normalization live here."""
-    mask = loss_mask(batch.response_mask_BxT, batch.targets_BxT, cfg.special_token_ids)
+    mask = loss_mask(batch.response_mask_BxT, batch.targets_BxT, cfg.special_token_ids, cfg.template_token_ids)
     n_tokens = jnp.sum(mask).astype(jnp.float32)
     denom = batch.token_normalizer
     if denom is not None:
@@ -231,10 +239,18 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -
         metrics["teacher_kl_k1"] = masked_mean(logp_sg - teacher_lp.astype(jnp.float32), mask)
     if "mismatch_kl" in terms:  # averaged over response tokens (special tokens included): docs/architecture.md
         metrics["mismatch_kl"] = masked_mean(terms["mismatch_kl"], batch.response_mask_BxT.astype(bool))
-    if "topk_mass" in terms:
+    if "topk_mass" in terms:  # mass on the support S (the teacher's top-K, or the union)
         metrics["topk_mass"] = masked_mean(terms["topk_mass"], mask)
-        teacher_mass = jnp.exp(jax.nn.logsumexp(batch.teacher_topk_logprobs_BxTxK.astype(jnp.float32), axis=-1))
-        metrics["teacher_topk_mass"] = masked_mean(teacher_mass, mask)
+        metrics["off_support_mass"] = 1.0 - metrics["topk_mass"]  # the student mass the truncated loss cannot see
+        lp = batch.teacher_topk_logprobs_BxTxK.astype(jnp.float32)
+        support = batch.support_mask_BxTxK
+        if support is not None:
+            lp = jnp.where(support, lp, -jnp.inf)
+            unique = jnp.sum(support, axis=-1).astype(jnp.float32)
+            metrics["support_size"] = masked_mean(unique, mask)
+            if cfg.support == "union":  # shared ids of the two top-K sets, as a fraction of K
+                metrics["topk_overlap"] = masked_mean((cfg.support_size - unique) / cfg.top_k, mask)
+        metrics["teacher_topk_mass"] = masked_mean(jnp.exp(jax.nn.logsumexp(lp, axis=-1)), mask)
 
     loss = masked_sum(weights * per_position, mask) / denom
     metrics["loss"] = loss

@@ -79,9 +79,13 @@ class TrainConfig:
     eval_seed: int = 99991
     mismatch: Literal["exact", "estimators"] = "exact"  # exact full-vocab KL needs [B,N,V] sampler logprobs
     is_logprobs: Literal["unprocessed", "processed"] = "unprocessed"  # sampler logprobs used for IS weights
-    # Mask positions whose target is a special/chat-template token of the tokenizer (EOS excepted, so the
-    # student still learns when to stop); an explicit loss.special_token_ids list takes precedence.
-    mask_special_tokens: bool = True
+    # Which response targets the loss masks. template_first: the tokens named in `template_tokens`, at their first
+    # occurrence in a response (where a chat template legitimately writes them); every other special token the
+    # student emits (pad, bos, unk, role markers) is trained against, so emitting them is never free.
+    # all_special: every special token of the tokenizer but EOS, wherever it occurs (the earlier default).
+    # An explicit loss.special_token_ids / loss.template_token_ids list takes precedence.
+    mask: Literal["template_first", "all_special", "none"] = "template_first"
+    template_tokens: tuple[str, ...] = ()  # token strings, e.g. ["<|im_start|>"]; unknown ones are an error
     log_rollouts: int = pydantic.Field(2, ge=0)  # responses decoded into rollouts.jsonl per step (ids always)
     cache_dir: str | None = None  # testbed model cache; None -> $JOPD_CACHE or ~/.cache/jopd
     # Recompute each layer's activations in the backward pass (jax.checkpoint per scanned layer): ~1/3 more

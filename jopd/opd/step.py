@@ -101,14 +101,22 @@ class Rollout(NamedTuple):
 
 
 def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
-    """Fill run-dependent loss fields: special-token mask from the tokenizer (EOS stays trained, so the student
-    keeps learning when to stop), and the sampler's temperature (the loss compares distributions at it)."""
+    """Fill run-dependent loss fields: the masked target tokens (`train.mask`, from the tokenizer; EOS is always
+    trained, so the student keeps learning when to stop), and the sampler's temperature (the loss compares
+    distributions at it)."""
     from jopd.data.toy_tokenizer import special_token_ids
 
-    special = cfg.loss.special_token_ids
-    if not special and cfg.train.mask_special_tokens and tokenizer is not None:
+    special, template = cfg.loss.special_token_ids, cfg.loss.template_token_ids
+    if tokenizer is not None and not special and cfg.train.mask == "all_special":
         special = tuple(sorted(set(special_token_ids(tokenizer)) - {tokenizer.eos_token_id}))
-    return dataclasses.replace(cfg.loss, special_token_ids=special, temperature=cfg.sampling.temperature)
+    if tokenizer is not None and not template and cfg.train.mask == "template_first" and cfg.train.template_tokens:
+        vocab = tokenizer.get_vocab()
+        unknown = [t for t in cfg.train.template_tokens if t not in vocab]
+        if unknown:
+            raise ValueError(f"RunConfig.train.template_tokens: {unknown} not in the tokenizer's vocabulary")
+        template = tuple(sorted({vocab[t] for t in cfg.train.template_tokens} - {tokenizer.eos_token_id}))
+    return dataclasses.replace(cfg.loss, special_token_ids=special, template_token_ids=template,
+                               temperature=cfg.sampling.temperature)
 
 
 def with_rl_settings(loss_cfg: LossConfig, rl_cfg: rl.RLConfig) -> LossConfig:
@@ -139,7 +147,8 @@ def _score(teacher_params, prompt_BxP, prompt_mask_BxP, sample: SampleOutput, ad
            teacher_cfg: ModelConfig, student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str,
            dtype) -> TrainBatch:
     layout: SequenceLayout = sequence_layout(prompt_BxP, prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
-    teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg)
+    teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
+                             student_topk_ids_BxNxK=sample.topk_ids_BxNxK)
     # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
     # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
     # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)
@@ -356,7 +365,10 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, los
     sh = step_shardings(cfg, s_cfg, t_cfg, mesh, optimizer, running)
     batch = sh.batch
 
-    sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact")
+    # the union support takes the student's top-K ids from the sampler, where its logits already exist
+    union = objective.needs_teacher_topk and loss_cfg.support == "union"
+    sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
+                                   return_topk=loss_cfg.top_k if union else 0)
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
                       shardings=SamplerShardings(params=sh.sampler_params, batch=batch, cache=sh.cache))
     precision = cfg.rollout_precision

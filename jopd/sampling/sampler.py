@@ -47,6 +47,7 @@ class SamplingConfig:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # stop tokens in addition to the model config's eos ids
     return_full_logprobs: bool = False  # also return the unprocessed log-softmax per step, [B, N, V] fp32
+    return_topk: Annotated[int, pydantic.Field(ge=0)] = 0  # also return each step's top-k token ids [B, N, k]
     # Speed knob, same results: the top-p cut bisects until at most this many tokens sit at the boundary,
     # then ranks those exactly (no sort of the vocabulary; see `nucleus_threshold`).
     top_p_candidates: Annotated[int, pydantic.Field(gt=0)] = 128
@@ -61,6 +62,7 @@ class SampleOutput(NamedTuple):
     unprocessed_logprobs_BxN: Float[Array, "B N"]  # temperature (and noise) only (0 after the end)
     done_B: Bool[Array, "B"]  # the row ended with a stop token (False: it hit max_new_tokens)
     full_logprobs_BxNxV: Float[Array, "B N V"] | None = None  # unprocessed log-softmax, if requested
+    topk_ids_BxNxK: Int[Array, "B N K"] | None = None  # the (noisy) logits' top-k ids per step, if requested
     cache: Any = None  # the KV-cache buffer (donated in, handed back for reuse)
 
     @property
@@ -298,15 +300,18 @@ def sample_padded(
         tok = jnp.where(done_B, pad_id, tok)
         logp = jnp.where(done_B, 0.0, logp)
         ulogp = jnp.where(done_B, 0.0, ulogp)
-        return tok, logp, ulogp, full
+        topk = jax.lax.top_k(scaled, sampling.return_topk)[1] if sampling.return_topk else None
+        return tok, logp, ulogp, full, topk
 
-    def record(state, t, tok, logp, ulogp, full):
+    def record(state, t, tok, logp, ulogp, full, topk):
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), t, 1)  # noqa: E731
         state["tokens"] = put(state["tokens"], tok)
         state["logp"] = put(state["logp"], logp)
         state["ulogp"] = put(state["ulogp"], ulogp)
         if sampling.return_full_logprobs:
             state["full"] = put(state["full"], full)
+        if sampling.return_topk:
+            state["topk"] = put(state["topk"], topk)
         state["lengths"] = state["lengths"] + (~state["done"]).astype(jnp.int32)
         state["done"] = state["done"] | jnp.isin(tok, stop_ids)
         state["tok"] = tok
@@ -324,6 +329,8 @@ def sample_padded(
     }
     if sampling.return_full_logprobs:
         state["full"] = jnp.zeros((B, N, V), jnp.float32)
+    if sampling.return_topk:
+        state["topk"] = jnp.zeros((B, N, sampling.return_topk), jnp.int32)
     state = record(state, 0, *pick(logits_BxV, jnp.int32(0), state["done"]))
 
     def cond(state):
@@ -341,7 +348,8 @@ def sample_padded(
     state = jax.lax.while_loop(cond, body, state)
     return SampleOutput(tokens_BxN=state["tokens"], lengths_B=state["lengths"], logprobs_BxN=state["logp"],
                         unprocessed_logprobs_BxN=state["ulogp"], done_B=state["done"],
-                        full_logprobs_BxNxV=state.get("full"), cache=state["cache"])
+                        full_logprobs_BxNxV=state.get("full"), topk_ids_BxNxK=state.get("topk"),
+                        cache=state["cache"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +419,8 @@ class Sampler:
             self._fn = _compiled(cfg, _program_precision(self.precision), _program_sampling(sampling))
         else:
             b, c = shardings.batch, shardings.cache_dict
-            out = SampleOutput(b, b, b, b, b, b if sampling.return_full_logprobs else None, c)
+            out = SampleOutput(b, b, b, b, b, b if sampling.return_full_logprobs else None,
+                               b if sampling.return_topk else None, c)
             self._fn = jax.jit(_bind(cfg, _program_precision(self.precision), _program_sampling(sampling)),
                                donate_argnums=(4,), in_shardings=(shardings.params, b, b, b, c), out_shardings=out)
 

@@ -80,3 +80,28 @@ def test_sweep_file_errors_name_the_field(tmp_path, sweep_file):
     with pytest.raises(ValueError, match=r"sweep setup 'x': RunConfig.rollout_precision.logit_nois: unknown key"):
         sweeplib.check_configs(load_sweep(str(bad)))
     assert cli.main(["sweep", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_contrast_sweep_judges_each_method_by_its_own_rule(tmp_path, capsys):
+    base = write_tiny(tmp_path / "tiny.yaml")
+    spec = {"base": str(base), "out_dir": str(tmp_path / "contrast"), "overrides": [f"train.cache_dir={tmp_path}/c"],
+            "methods": {"opd": {"overrides": ["loss.kind=topk_rkl"]},
+                        "grpo": {"overrides": ["loss.kind=grpo", "rl.group_size=2", "data.batch_size=4"],
+                                 "rule": "broke"}},
+            "baseline": {"name": "standard", "seeds": [0]},
+            "setups": [{"name": "noise_3", "overrides": ["rollout_precision.logit_noise=3.0"], "seeds": [0]}],
+            "quality": {"resamples": 200}}
+    path = tmp_path / "contrast.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert cli.main(["sweep", str(path)]) == 0
+    out = tmp_path / "contrast"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["grpo", "opd"]
+    assert "kind: grpo" in (out / "grpo" / "standard" / "seed0" / "config.yaml").read_text()
+    c = json.loads((out / "contrast.json").read_text())
+    rows = {(r["method"], r["setup"]): r for r in c["rows"]}
+    assert set(rows) == {("opd", "noise_3"), ("grpo", "noise_3")}
+    assert rows[("opd", "noise_3")]["rule"] == "quality" and rows[("opd", "noise_3")]["verdicts"][0] in ("PASS", "FAIL")
+    assert rows[("grpo", "noise_3")]["rule"] == "broke" and rows[("grpo", "noise_3")]["verdicts"][0] in ("OK", "BROKE")
+    assert rows[("grpo", "noise_3")]["mismatch"] > 0.1
+    assert (out / "contrast.png").stat().st_size > 10_000
+    assert "grpo" in capsys.readouterr().out

@@ -356,7 +356,7 @@ def test_missing_or_misshaped_batch_entries_raise_one_clear_error():
     with pytest.raises(ValueError, match="LossBatch.sampler_logprobs_BxT: missing.*is_mode='tis'"):
         token_loss_from_logits(_cfg("sft", is_mode="tis"), s, batch)
     t = _rand(23, (B, T, V))
-    with pytest.raises(ValueError, match=r"LossConfig.top_k\)=\(2, 6, 3\)"):
+    with pytest.raises(ValueError, match=r"LossConfig.support_size\)=\(2, 6, 3\)"):
         token_loss_from_logits(_cfg("topk_rkl", top_k=3), s, _batch("topk_rkl", t, t, k=4))
     with pytest.raises(ValueError, match=r"LossBatch.sampler_logprobs_BxT: shape \(2, 5\)"):
         token_loss_from_logits(_cfg("sft"), s, batch.replace(sampler_logprobs_BxT=jnp.zeros((B, T - 1))))
