@@ -134,8 +134,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """Configs saved by earlier versions (a run's config.yaml) still load: `train.mask_special_tokens: true` was
+    what `train.mask: all_special` is now."""
+    train = data.get("train")
+    if isinstance(train, dict) and "mask_special_tokens" in train and "mask" not in train:
+        train = dict(train)
+        train["mask"] = "all_special" if train.pop("mask_special_tokens") else "none"
+        data = dict(data, train=train)
+    return data
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
     data = read_yaml_mapping(path) if path is not None else {}
+    data = _upgrade(data)
     data = apply_overrides(data, list(overrides))
     return build(RunConfig, data, where="RunConfig")
 

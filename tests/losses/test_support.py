@@ -151,3 +151,13 @@ def test_run_config_masking_resolves_from_the_tokenizer():
     assert named.template_token_ids == (tok.convert_tokens_to_ids("<|assistant|>"),)
     with pytest.raises(ValueError, match=r"train.template_tokens: \['<nope>'\] not in the tokenizer"):
         resolve_loss_config(load_config(None, ["train.template_tokens=[<nope>]"]), tok)
+
+
+def test_configs_saved_before_train_mask_still_load(tmp_path):
+    from jopd.opd.run_config import load_config
+
+    old = tmp_path / "config.yaml"
+    old.write_text("train: {mask_special_tokens: true, steps: 3}\n")
+    assert load_config(str(old)).train.mask == "all_special"
+    old.write_text("train: {mask_special_tokens: false}\n")
+    assert load_config(str(old)).train.mask == "none"
