@@ -379,13 +379,13 @@ def check_comparable(run_dirs: Sequence[str | Path], base_dirs: Sequence[str | P
     return []
 
 
-def mean_mismatch(run_dir: str | Path) -> float | None:
-    """Mean of `mismatch_kl` over the training steps logged in `RUN_DIR/metrics.jsonl` (the last line per step
-    counts, so a resumed run's repeated steps are not counted twice); None when absent or never logged."""
+def step_rows(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """The training rows of `RUN_DIR/metrics.jsonl` by step (eval rows, whose keys are all `eval/...`, left out);
+    the last line of a step wins, so a resumed run's repeated steps count once. Missing file: {}."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        return None
-    per_step: dict[int, float] = {}
+        return {}
+    rows: dict[int, dict[str, Any]] = {}
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -393,7 +393,14 @@ def mean_mismatch(run_dir: str | Path) -> float | None:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if isinstance(row, dict) and isinstance(row.get("mismatch_kl"), (int, float)) and "step" in row:
-            per_step[int(row["step"])] = float(row["mismatch_kl"])
-    vals = [v for v in per_step.values() if math.isfinite(v)]
+        if isinstance(row, dict) and "step" in row and any(k != "step" and not k.startswith("eval/") for k in row):
+            rows[int(row["step"])] = row
+    return rows
+
+
+def mean_mismatch(run_dir: str | Path) -> float | None:
+    """Mean of `mismatch_kl` over the training steps logged in `RUN_DIR/metrics.jsonl` (`step_rows`); None when
+    absent or never logged."""
+    vals = [float(r["mismatch_kl"]) for r in step_rows(run_dir).values()
+            if isinstance(r.get("mismatch_kl"), (int, float)) and math.isfinite(r["mismatch_kl"])]
     return float(np.mean(vals)) if vals else None

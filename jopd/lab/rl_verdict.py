@@ -150,23 +150,13 @@ def accuracy_check(run_N: np.ndarray, base_N: np.ndarray, c: Criterion) -> Accur
 
 
 def read_training_rows(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The training rows of `RUN_DIR/metrics.jsonl` (those with a `loss`; eval rows hold only `eval/...`), one
-    per step (the last line of a step wins: a resumed run repeats some steps), sorted by step."""
+    """The training rows of `RUN_DIR/metrics.jsonl`, one per step, sorted (`quality.step_rows`)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such metrics file (a `jopd train` out_dir has one)")
-    rows: dict[int, dict[str, Any]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if isinstance(row, dict) and "step" in row and "loss" in row:
-            rows[int(row["step"])] = row
+    rows = q.step_rows(run_dir)
     if not rows:
-        raise ValueError(f"{path}: no training rows (lines with step and loss)")
+        raise ValueError(f"{path}: no training rows")
     return [rows[s] for s in sorted(rows)]
 
 
