@@ -39,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as e:  # bad input: one clear line, no traceback
+    except (ValueError, KeyError) as e:  # bad input: one clear line, no traceback
         print(f"jopd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that is missing, unreadable or unwritable, a full disk
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"jopd {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 
 
