@@ -8,7 +8,7 @@ import pytest
 
 from jopd import cli
 from jopd.opd import checkpoint
-from tests.helpers.tiny_testbed import write_tiny
+from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 
 def _rows(path):
@@ -20,7 +20,7 @@ def _rows(path):
 def test_eval_of_the_last_step_reproduces_the_runs_after_eval(tmp_path, capsys):
     cfg = write_tiny(tmp_path / "tiny.yaml", train={"steps": 2}, checkpoint={"every": 1, "async_save": False})
     run = tmp_path / "run"
-    assert cli.main(["train", str(cfg), f"train.out_dir={run}", f"train.cache_dir={tmp_path / 'c'}"]) == 0
+    assert cli.main(["train", str(cfg), f"train.out_dir={run}", f"train.cache_dir={tiny_cache()}"]) == 0
     assert cli.main(["eval", str(run), "--step", "2"]) == 0
     assert '"step": 2' in capsys.readouterr().out
     after, again = _rows(run / "eval" / "after.csv"), _rows(run / "eval" / "step_2.csv")
@@ -43,7 +43,7 @@ def test_a_full_disk_mid_run_is_one_error_line_and_the_last_checkpoint_restores(
         return real_save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", save)
-    args = ["train", str(cfg), f"train.out_dir={run}", f"train.cache_dir={tmp_path / 'c'}"]
+    args = ["train", str(cfg), f"train.out_dir={run}", f"train.cache_dir={tiny_cache()}"]
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == f"jopd train: error: {run / 'checkpoints' / '3'}: No space left on device"

@@ -11,13 +11,13 @@ from jopd.data.chat import user_prompt_ids
 from jopd.lab.runs import checkpoint_dir, restore_state, run_config
 from jopd.models import io
 from jopd.opd import loop
-from tests.helpers.tiny_testbed import write_tiny
+from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 
 def test_export_round_trip_through_transformers(tmp_path, capsys):
     cfg_path = write_tiny(tmp_path / "tiny.yaml", train={"steps": 2})
     run_dir = tmp_path / "run"
-    assert cli.main(["train", str(cfg_path), f"train.out_dir={run_dir}", f"train.cache_dir={tmp_path}/cache"]) == 0
+    assert cli.main(["train", str(cfg_path), f"train.out_dir={run_dir}", f"train.cache_dir={tiny_cache()}"]) == 0
     out = tmp_path / "hf"
     assert cli.main(["export", str(run_dir), "--out", str(out)]) == 0
     assert "at step 2" in capsys.readouterr().out

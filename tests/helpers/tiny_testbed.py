@@ -23,3 +23,20 @@ def write_tiny(path: Path, **sections) -> Path:
     data |= {k: v for k, v in sections.items() if k not in TINY}
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+_CACHE: list[Path] = []
+
+
+def tiny_cache() -> Path:
+    """One model cache for the whole test session: the tiny testbed models are trained once (by the first test
+    that needs them), not once per test. Removed at exit."""
+    if not _CACHE:
+        import atexit
+        import shutil
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="jopd-tiny-cache-"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _CACHE.append(path)
+    return _CACHE[0]

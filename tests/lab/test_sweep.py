@@ -10,7 +10,7 @@ from jopd import cli
 from jopd.lab import sweep as sweeplib
 from jopd.lab.sweep_config import load_sweep
 from jopd.opd import loop
-from tests.helpers.tiny_testbed import write_tiny
+from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 class Killed(Exception):
     pass
@@ -19,7 +19,7 @@ class Killed(Exception):
 @pytest.fixture
 def sweep_file(tmp_path):
     base = write_tiny(tmp_path / "tiny.yaml")
-    spec = {"base": str(base), "out_dir": str(tmp_path / "sweep"), "overrides": [f"train.cache_dir={tmp_path}/cache"],
+    spec = {"base": str(base), "out_dir": str(tmp_path / "sweep"), "overrides": [f"train.cache_dir={tiny_cache()}"],
             "baseline": {"name": "fp32", "seeds": [0, 1]},
             "setups": [{"name": "noise_3", "overrides": ["rollout_precision.logit_noise=3.0"], "seeds": [0, 1]}],
             "quality": {"resamples": 500}}
@@ -84,7 +84,7 @@ def test_sweep_file_errors_name_the_field(tmp_path, sweep_file):
 
 def test_contrast_sweep_judges_each_method_by_its_own_rule(tmp_path, capsys):
     base = write_tiny(tmp_path / "tiny.yaml")
-    spec = {"base": str(base), "out_dir": str(tmp_path / "contrast"), "overrides": [f"train.cache_dir={tmp_path}/c"],
+    spec = {"base": str(base), "out_dir": str(tmp_path / "contrast"), "overrides": [f"train.cache_dir={tiny_cache()}"],
             "methods": {"opd": {"overrides": ["loss.kind=topk_rkl"]},
                         "grpo": {"overrides": ["loss.kind=grpo", "rl.group_size=2", "data.batch_size=4"],
                                  "rule": "broke"}},

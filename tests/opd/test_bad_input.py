@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jopd import cli
 from jopd.opd.run_config import load_config, to_yaml
-from tests.helpers.tiny_testbed import write_tiny
+from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 VALUES = st.one_of(st.none(), st.booleans(), st.sampled_from([-1, 0, 1, 2, 3, 7, 10**12]),
                    st.sampled_from([0.0, -1.0, 0.5, 1.5, math.nan, math.inf]),
@@ -94,7 +94,7 @@ def test_one_step_run_succeeds_or_fails_in_one_line(base, data):
     value = data.draw(_SMALL)
     f = tmp / "mutated1.yaml"
     f.write_text(yaml.safe_dump(_mutate(cfg, path, "set", value)))
-    code, err = _run(["train", str(f), f"train.out_dir={tmp / 'run'}", f"train.cache_dir={tmp / 'cache'}"])
+    code, err = _run(["train", str(f), f"train.out_dir={tmp / 'run'}", f"train.cache_dir={tiny_cache()}"])
     assert code in (0, 1, 3) or _one_clean_line(code, err), (path, value, code, err[-2000:])
 
 
@@ -120,5 +120,5 @@ def test_named_bad_inputs_fail_in_one_line(base, overrides, named):
     f = tmp / "ok.yaml"
     f.write_text(yaml.safe_dump(cfg))
     over = [o.format(tmp=tmp) for o in overrides]
-    code, err = _run(["train", str(f), f"train.cache_dir={tmp / 'cache'}", f"train.out_dir={tmp / 'out'}", *over])
+    code, err = _run(["train", str(f), f"train.cache_dir={tiny_cache()}", f"train.out_dir={tmp / 'out'}", *over])
     assert _one_clean_line(code, err) and code == 2 and named in err, err[-1500:]

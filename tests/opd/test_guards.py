@@ -9,7 +9,7 @@ import pytest
 
 from jopd import cli
 from jopd.opd.guards import GuardConfig, RunGuard, loggable
-from tests.helpers.tiny_testbed import write_tiny
+from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 
 def test_run_guard_streak_and_actions():
@@ -41,7 +41,7 @@ def test_a_run_with_no_loss_tokens_stops_and_says_why(tmp_path, capsys):
     cfg = write_tiny(tmp_path / "tiny.yaml", train={"steps": 12, "guard": {"patience": 3}},
                      loss={"special_token_ids": list(range(200))})  # every target masked: nothing to learn from
     out = tmp_path / "run"
-    code = cli.main(["train", str(cfg), f"train.out_dir={out}", f"train.cache_dir={tmp_path / 'c'}",
+    code = cli.main(["train", str(cfg), f"train.out_dir={out}", f"train.cache_dir={tiny_cache()}",
                      "checkpoint.every=2"])
     err = capsys.readouterr().err
     assert code == 3 and "stopped: the run has degenerated: no response token counts in the loss" in err
@@ -60,7 +60,7 @@ def test_a_nonfinite_update_is_skipped_and_stops_the_run(tmp_path, capsys):
 
     cfg = write_tiny(tmp_path / "tiny.yaml", train={"steps": 8}, optim={"learning_rate": 1e38, "warmup_steps": 0})
     out = tmp_path / "run"
-    code = cli.main(["train", str(cfg), f"train.out_dir={out}", f"train.cache_dir={tmp_path / 'c'}",
+    code = cli.main(["train", str(cfg), f"train.out_dir={out}", f"train.cache_dir={tiny_cache()}",
                      "checkpoint.every=1", "checkpoint.async_save=false"])
     err = capsys.readouterr().err
     assert code == 3 and "non-finite loss or gradient" in err and "the update was not applied" in err

@@ -15,7 +15,7 @@ import pytest
 from jopd.opd.checkpoint import CheckpointConfig, Checkpointer
 from jopd.opd.loop import build, train
 from jopd.opd.run_config import load_config
-from tests.helpers.tiny_testbed import write_tiny
+from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24
@@ -42,7 +42,7 @@ def _writing(ckpt_dir: Path) -> bool:
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
     cfg_path = _cfg_file(tmp_path)
-    common = [f"train.cache_dir={tmp_path / 'cache'}"]
+    common = [f"train.cache_dir={tiny_cache()}"]
     straight = load_config(str(cfg_path), [*common, f"train.out_dir={tmp_path / 'straight'}"])
     train(straight, log=lambda *_: None)  # also trains and caches the tiny testbed models
 
@@ -89,7 +89,7 @@ def test_same_config_and_seed_give_identical_metrics(tmp_path):
                           rollout_precision={"logit_noise": 0.5, "weight_noise": 0.01})  # every random stream on
     logs = []
     for name in ("a", "b"):
-        cfg = load_config(str(cfg_path), [f"train.cache_dir={tmp_path / 'cache'}", f"train.out_dir={tmp_path / name}"])
+        cfg = load_config(str(cfg_path), [f"train.cache_dir={tiny_cache()}", f"train.out_dir={tmp_path / name}"])
         train(cfg, log=lambda *_: None)
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         logs.append([{k: v for k, v in r.items() if k not in TIMING} for r in rows])
