@@ -337,7 +337,11 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
                        rng=replicated)
     if running_baseline:
         state = RLTrainState(**vars(state), reward_ema=replicated)
-    meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size,), where="data.batch_size")  # clear error
+    # A clear error at build time; GRPO's rows are the prompts repeated on the host before they are sharded.
+    grouped = OBJECTIVES[cfg.loss.kind].grouped
+    rows = cfg.data.batch_size * (cfg.rl.group_size if grouped else 1)
+    meshlib.batch_sharding(mesh, sample_rules, (rows,),
+                           where="data.batch_size x rl.group_size" if grouped else "data.batch_size")
     return StepShardings(
         student=student, teacher=meshlib.param_shardings(t_cfg, mesh, train_rules), sampler_params=sampler_params,
         state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
