@@ -18,17 +18,20 @@ _Pos = pydantic.Field(gt=0)
 class LossConfig:
     """Frozen and hashable, so it can be a static argument of the jitted train step."""
 
-    # topk_rkl: truncated reverse KL on the teacher's top-K support (the default OPD loss);
+    # topk_rkl: truncated reverse KL renormalized on the support S below (the default OPD loss);
     # topk_rkl_tail: the same support plus one "tail" outcome, not renormalized (penalizes off-support mass);
     # sampled_opd: policy gradient with advantage -(log pi_s(y) - log pi_t(y)) on the sampled token;
     # rkl / fkl / jsd: full-vocabulary divergences (need full teacher logits); sft: cross-entropy on targets;
     # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`jopd.rl`).
     kind: LossKind = "topk_rkl"
     top_k: Annotated[int, pydantic.Field(ge=1)] = 32  # K; must match the teacher top-K in the batch
-    # The support S of the topk kinds (orthogonal to renormalized vs tail): the teacher's top-K, or its union
-    # with the student's top-K (taken from the sampler's logits at rollout time); `support_sampled` adds the
-    # sampled token. The teacher is scored at every id of S; repeated ids count once (`support_mask_BxTxK`).
-    support: Literal["teacher_topk", "union"] = "teacher_topk"
+    # The support S of the topk kinds (orthogonal to renormalized vs tail; other kinds ignore it): the teacher's
+    # top-K, or its union with the student's top-K (taken from the sampler's logits at rollout time);
+    # `support_sampled` adds the sampled token. The teacher is scored at every id of S; repeated ids count once
+    # (`support_mask_BxTxK`). The default is the union: on the teacher's top-K alone the student's mass outside
+    # it is never penalized, and the held-out divergence counts exactly that mass (README, "Which truncated
+    # reverse KL").
+    support: Literal["teacher_topk", "union"] = "union"
     support_sampled: bool = False
     # GKD convention: JSD_b = b KL(p_t||m) + (1-b) KL(p_s||m), m = b p_t + (1-b) p_s, with the limits of
     # JSD_b/b and JSD_b/(1-b) at the ends: b=0 -> forward KL(p_t||p_s), b=1 -> reverse KL(p_s||p_t).

@@ -131,8 +131,9 @@ def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax
     if OBJECTIVES[cfg.kind].uses_rewards:  # the policy's entropy on its rollout: needs the full logits
         out["entropy"] = softmax_entropy(logits)
     if "sampler_full_logprobs_BxTxV" in inp:  # exact mismatch KL(sampler || trainer), full vocab, no gradient
-        out["mismatch_kl"] = div.reverse_kl(inp["sampler_full_logprobs_BxTxV"].astype(jnp.float32),
-                                            jax.lax.stop_gradient(logits))
+        # KL >= 0; identical engines round to ±1e-10 per token, and the lab reads the mean as a distance
+        out["mismatch_kl"] = jnp.maximum(div.reverse_kl(inp["sampler_full_logprobs_BxTxV"].astype(jnp.float32),
+                                                        jax.lax.stop_gradient(logits)), 0.0)
     return out
 
 

@@ -52,6 +52,7 @@ def _batch(kind, s_logits, t_logits, k=K, seed=0, **extra):
 
 
 def _cfg(kind, **kw):
+    kw.setdefault("support", "teacher_topk")  # these batches carry the teacher's top-K only (test_support: union)
     return LossConfig(kind=kind, top_k=kw.pop("top_k", K), special_token_ids=SPECIAL, **kw)
 
 

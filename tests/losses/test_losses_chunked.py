@@ -81,7 +81,7 @@ CASES = [("topk_rkl", 5, "tied", {}), ("topk_rkl", 4, "untied", {"is_mode": "tis
 def test_chunked_loss_and_grads_equal_unchunked(setup, kind, chunk, head, extra):
     s = setup
     params, hidden, batch = s["params"][head], s["hidden"][head], s["batch"]
-    cfg = LossConfig(kind=kind, top_k=K, chunk_size=chunk, special_token_ids=SPECIAL, **extra)
+    cfg = LossConfig(kind=kind, top_k=K, chunk_size=chunk, special_token_ids=SPECIAL, support="teacher_topk", **extra)
 
     def chunked(p, h):
         return token_loss(cfg, p, MC, h, batch)
@@ -106,7 +106,7 @@ def test_chunked_loss_and_grads_equal_unchunked(setup, kind, chunk, head, extra)
 def test_chunking_bounds_compiled_memory():
     """Guard the memory design: loss+grad of the chunked truncated RKL keeps O(B*chunk*V), not O(B*T*V)."""
     b, t, v, d, k, chunk = 1, 512, 8192, 64, 8, 32
-    cfg = LossConfig(kind="topk_rkl", top_k=k, chunk_size=chunk)
+    cfg = LossConfig(kind="topk_rkl", top_k=k, chunk_size=chunk, support="teacher_topk")
     mc = ModelConfig(vocab_size=v, hidden_size=d)
     head = {"embed": jax.ShapeDtypeStruct((v, d), jnp.float32)}
     hidden = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
@@ -139,7 +139,8 @@ def test_sharded_loss_and_teacher_scores_equal_single_device(setup):
     rep = lambda x: jnp.concatenate([x, x[::-1]], 0)  # noqa: E731  B=4 so the batch splits 4 ways
     batch = jax.tree.map(rep, s["batch"].replace(teacher_logits_BxTxV=None))
     hidden, t_hidden = rep(hidden), rep(s["t_hidden"])
-    cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=5, special_token_ids=SPECIAL, is_mode="tis")
+    cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=5, special_token_ids=SPECIAL, is_mode="tis",
+                     support="teacher_topk")
 
     def step(p, h, th, tp, b):
         scores = teacher_scores(th, tp, k=K, chunk=5, targets_BxT=b.targets_BxT)
