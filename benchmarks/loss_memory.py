@@ -1,5 +1,6 @@
-"""Peak memory of the truncated reverse-KL loss + gradient (chunked, teacher top-K only) vs a full-vocabulary
-reverse KL that materializes teacher and student [B,T,V] logits.
+"""Peak memory of the truncated reverse-KL loss + gradient (chunked; on the teacher's top-K, and on its union with
+the student's top-K, `loss.support=union`) vs a full-vocabulary reverse KL that materializes teacher and student
+[B,T,V] logits.
 
 Compiles `jax.grad` of each loss (w.r.t. the output head and the hidden states) on abstract shapes
 (`jax.ShapeDtypeStruct` -> lower -> compile -> memory_analysis), so it runs in seconds and allocates nothing.
@@ -29,7 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jopd.losses import LossBatch, LossConfig, teacher_topk, token_loss, token_loss_from_logits  # noqa: E402
+from jopd.losses import (LossBatch, LossConfig, teacher_scores, teacher_topk, token_loss,  # noqa: E402
+                         token_loss_from_logits)
 from jopd.models import transformer as tfm  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402
 
@@ -46,6 +48,8 @@ def student_variants(B, T, V, D, K, chunks):
     base = LossBatch(targets_BxT=_sds((B, T), jnp.int32), response_mask_BxT=_sds((B, T), jnp.bool_))
     topk = base.replace(teacher_topk_ids_BxTxK=_sds((B, T, K), jnp.int32), teacher_topk_logprobs_BxTxK=_sds((B, T, K)))
     full = base.replace(teacher_logits_BxTxV=_sds((B, T, V)))
+    union = base.replace(teacher_topk_ids_BxTxK=_sds((B, T, 2 * K), jnp.int32),
+                         teacher_topk_logprobs_BxTxK=_sds((B, T, 2 * K)), support_mask_BxTxK=_sds((B, T, 2 * K), jnp.bool_))
 
     def grad_of(loss):
         return jax.grad(lambda head, hidden, batch: loss(head, hidden, batch)[0], argnums=(0, 1))
@@ -54,10 +58,15 @@ def student_variants(B, T, V, D, K, chunks):
         return grad_of(lambda h, x, b: token_loss_from_logits(cfg, tfm.logits_from_hidden(h, x), b))
 
     out = {"full-vocab RKL, teacher+student [B,T,V]": (unchunked(LossConfig(kind="rkl")), full),
-           "top-K RKL, unchunked student [B,T,V]": (unchunked(LossConfig(kind="topk_rkl", top_k=K)), topk)}
+           "top-K RKL, unchunked student [B,T,V]": (
+               unchunked(LossConfig(kind="topk_rkl", top_k=K, support="teacher_topk")), topk)}
     for c in chunks:
-        cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=c)
+        cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=c, support="teacher_topk")
         out[f"top-K RKL, chunked (chunk={c})"] = (grad_of(lambda h, x, b, cfg=cfg: token_loss(cfg, h, mc, x, b)), topk)
+    c = chunks[len(chunks) // 2]
+    cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=c, support="union")
+    out[f"union-support RKL (2K ids), chunked (chunk={c})"] = (
+        grad_of(lambda h, x, b, cfg=cfg: token_loss(cfg, h, mc, x, b)), union)
     return out
 
 
@@ -67,8 +76,13 @@ def teacher_variants(B, T, V, D, K, chunk):
         vals, ids = jax.lax.top_k(logprobs, K)
         return ids, vals
 
-    return {"teacher log-softmax [B,T,V] + top-K": full,
-            f"teacher_topk chunked (chunk={chunk})": lambda head, hidden: teacher_topk(hidden, head, K, chunk)}
+    def union(head, hidden, student_ids_BxTxK):
+        return teacher_scores(hidden, head, k=K, chunk=chunk, extra_ids_BxTxE=student_ids_BxTxK)
+
+    return {"teacher log-softmax [B,T,V] + top-K": (full, ()),
+            f"teacher_topk chunked (chunk={chunk})": (lambda head, hidden: teacher_topk(hidden, head, K, chunk), ()),
+            f"teacher at top-K + student top-K ids, chunked (chunk={chunk})": (
+                union, (_sds((B, T, K), jnp.int32),))}
 
 
 def analyse(fn, *abstract_args):
@@ -132,7 +146,7 @@ def main() -> int:
         print(f"\n## B={B}: teacher scoring (forward only, top-K ids + log-probs out)\n")
         print("| variant | args MB | temp MB | out MB | peak MB | ratio |")
         print("|---|---|---|---|---|---|")
-        trows = [(name, *analyse(fn, head, hidden)) for name, fn in
+        trows = [(name, *analyse(fn, head, hidden, *extra)) for name, (fn, extra) in
                  teacher_variants(B, T, V, D, K, args.chunks[len(args.chunks) // 2]).items()]
         for name, a, t, o, peak in trows:
             print(f"| {name} | {a / MB:.1f} | {t / MB:.1f} | {o / MB:.1f} | {peak / MB:.1f} | "

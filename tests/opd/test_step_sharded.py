@@ -2,10 +2,13 @@
 one device: teacher scoring, the update, and the layouts it promises (batch over data x fsdp, optimizer moments
 in their parameter's layout)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from jopd.losses import LossConfig
 from jopd.models.config import ModelConfig
@@ -19,15 +22,15 @@ STUDENT = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_l
                       head_dim=8, tie_word_embeddings=False)
 TEACHER = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=12)
-LOSS = LossConfig(kind="topk_rkl", top_k=8, chunk_size=5, special_token_ids=(3,), is_mode="tis")
+LOSS = LossConfig(kind="topk_rkl", top_k=8, chunk_size=5, special_token_ids=(3,), is_mode="tis", support="teacher_topk")
 B, P, N = 8, 6, 7
 
 
-def _step(mesh_overrides, devices):
+def _step(mesh_overrides, devices, loss=LOSS):
     cfg = load_config(None, [f"data.batch_size={B}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
                              "train.mismatch=estimators", "optim.learning_rate=1e-2", "optim.warmup_steps=0",
                              *mesh_overrides])
-    return build_step(cfg, STUDENT, TEACHER, M.make_mesh(cfg.mesh, devices), LOSS)
+    return build_step(cfg, STUDENT, TEACHER, M.make_mesh(cfg.mesh, devices), loss)
 
 
 def _rollout():
@@ -38,8 +41,10 @@ def _rollout():
     lengths = rng.randint(1, N + 1, B).astype(np.int32)
     tokens = np.where(np.arange(N)[None] < lengths[:, None], rng.randint(3, 64, (B, N)), 0).astype(np.int32)
     logp = np.where(np.arange(N)[None] < lengths[:, None], rng.normal(-2, 0.5, (B, N)), 0).astype(np.float32)
+    # the student's top-K ids per step (what the sampler hands the union support): K distinct ids per position
+    topk = np.argsort(rng.rand(B, N, 64), axis=-1)[..., :LOSS.top_k].astype(np.int32)
     sample = SampleOutput(tokens_BxN=tokens, lengths_B=lengths, logprobs_BxN=logp, unprocessed_logprobs_BxN=logp,
-                          done_B=np.ones(B, bool))
+                          done_B=np.ones(B, bool), topk_ids_BxNxK=topk)
     return prompt, pmask, sample
 
 
@@ -47,14 +52,16 @@ def _rel(a, b):
     return float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)) / optax.tree.norm(b))
 
 
-def test_sharded_step_equals_single_device():
+@pytest.mark.parametrize("support", ["teacher_topk", "union"])
+def test_sharded_step_equals_single_device(support):
+    loss = dataclasses.replace(LOSS, support=support)
     student = jax.tree.map(lambda x: 3 * x, numpy_params(STUDENT, seed=0))
     teacher = jax.tree.map(lambda x: 3 * x, numpy_params(TEACHER, seed=7))
     prompt, pmask, sample = _rollout()
     results = {}
     for name, over, devices in (("one", ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"], jax.devices()[:1]),
                                 ("eight", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], jax.devices())):
-        step = _step(over, devices)
+        step = _step(over, devices, loss)
         state = step.init_state(student, seed=1)
         with jax.set_mesh(step.mesh):
             batch = step.score_fn(jax.device_put(teacher, step.shardings.teacher), prompt, pmask, sample, None)
@@ -62,7 +69,10 @@ def test_sharded_step_equals_single_device():
         results[name] = (step, batch, new_state, metrics, state)
 
     one, eight = results["one"], results["eight"]
+    assert one[1].loss.teacher_topk_ids_BxTxK.shape[-1] == loss.support_size  # K, or 2K for the union
     np.testing.assert_array_equal(eight[1].loss.teacher_topk_ids_BxTxK, one[1].loss.teacher_topk_ids_BxTxK)
+    if support == "union":
+        np.testing.assert_array_equal(eight[1].loss.support_mask_BxTxK, one[1].loss.support_mask_BxTxK)
     np.testing.assert_allclose(eight[1].loss.teacher_topk_logprobs_BxTxK, one[1].loss.teacher_topk_logprobs_BxTxK,
                                rtol=1e-5, atol=1e-6)
     loss1, loss8 = float(one[3]["loss"]), float(eight[3]["loss"])
