@@ -16,26 +16,13 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jopd.losses.chunked import chunked_logits_map
-from jopd.losses.is_correction import mismatch_estimators
+from jopd.losses.is_correction import exact_kl_BxT, mismatch_estimators
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import sequence_layout
 from jopd.sampling.sampler import SampleOutput
 
 __all__ = ["exact_kl_BxT", "trainer_response_logits", "mismatch_estimators", "position_mismatch"]
-
-
-def exact_kl_BxT(sampler_logprobs_BxTxV: Float[Array, "B T V"], trainer_logits_BxTxV: Float[Array, "B T V"],
-                 temperature: float = 1.0) -> Float[Array, "B T"]:
-    """KL(q ‖ p) per position, q = the sampler's (unprocessed, temperature-scaled) log-softmax as returned
-    with `SamplingConfig.return_full_logprobs`, p = softmax(trainer_logits / temperature). fp32, clamped at 0
-    (rounding); 0 when the engines agree."""
-    log_q = sampler_logprobs_BxTxV.astype(jnp.float32)
-    log_p = jax.nn.log_softmax(trainer_logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
-    q = jnp.exp(log_q)
-    # q == 0 terms contribute 0 (and log_q may be -inf there); KL >= 0, but identical engines round to ±1e-10
-    kl = jnp.sum(jnp.where(q > 0, q * (log_q - log_p), 0.0), axis=-1)
-    return jnp.maximum(kl, 0.0)
 
 
 def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Array],

@@ -691,3 +691,18 @@ def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOpt
                        kinds=cuts.kinds, samples=options.samples, cut=su.cut, sets=sets,
                        positions=sorted({p.position for p in prefixes}, key=_position_key), verdict=line,
                        warning=warn, rows=rows, settings=settings)
+
+
+def training_metrics(report: ProbeReport) -> dict[str, float]:
+    """The few numbers a training run logs from a probe (`train.probe_every`): the outcome rates from the
+    student's erroneous prefixes (sampled draws when there are any, else greedy), the corrected-prefix control's
+    recovery, and how often the erroneous token is the teacher's own top choice. With no erroneous prefix (the
+    student got every probed problem right) only the count is logged: the rates are missing, not 0."""
+    mode = "sampled" if report.samples else "greedy"
+    err = report.sets["student_error"]
+    out = {"n_wrong": float(report.n_wrong), "n_prefixes": float(err["n"])}
+    if err["n"]:
+        out |= {name: float(est["mean"]) for name, est in err[mode].items()}
+        out["reference_recovery"] = float(report.sets["reference"][mode]["recovery"]["mean"])
+        out["error_is_teacher_top1"] = float(err["recognition"]["top1"]["mean"])
+    return out

@@ -1,4 +1,4 @@
-"""Importance-sampling correction for rollout/trainer mismatch, and the cheap mismatch estimators.
+"""Importance-sampling correction for rollout/trainer mismatch, the cheap mismatch estimators and the exact one.
 
 The rollouts come from the sampler's distribution q (its own precision/engine); the loss is taken under the
 trainer's p. Per sampled token, the ratio r = p(y)/q(y) = exp(log p - log q). Weights are stop-gradient.
@@ -78,3 +78,16 @@ def mismatch_estimators(sampler_logprobs_BxT: Float[Array, "B T"], trainer_logpr
         "max_abs_dprob": masked_max(dprob, mask),
         "ess": jnp.where(s2 > 0, s1 * s1 / (n * jnp.maximum(s2, 1e-30)), 1.0),
     }
+
+
+def exact_kl_BxT(sampler_logprobs_BxTxV: Float[Array, "B T V"], trainer_logits_BxTxV: Float[Array, "B T V"],
+                 temperature: float = 1.0) -> Float[Array, "B T"]:
+    """KL(q ‖ p) per position, q = the sampler's (unprocessed, temperature-scaled) log-softmax as returned
+    with `SamplingConfig.return_full_logprobs`, p = softmax(trainer_logits / temperature). fp32, clamped at 0
+    (rounding); 0 when the engines agree."""
+    log_q = sampler_logprobs_BxTxV.astype(jnp.float32)
+    log_p = jax.nn.log_softmax(trainer_logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
+    q = jnp.exp(log_q)
+    # q == 0 terms contribute 0 (and log_q may be -inf there); KL >= 0, but identical engines round to ±1e-10
+    kl = jnp.sum(jnp.where(q > 0, q * (log_q - log_p), 0.0), axis=-1)
+    return jnp.maximum(kl, 0.0)

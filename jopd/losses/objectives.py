@@ -35,7 +35,8 @@ from jopd.losses import divergences as div
 from jopd.losses.batch import LossBatch
 from jopd.losses.chunked import chunked_logits_map
 from jopd.losses.config import LossConfig
-from jopd.losses.is_correction import importance_ratio, importance_weights, is_metrics, mismatch_estimators
+from jopd.losses.is_correction import (exact_kl_BxT, importance_ratio, importance_weights, is_metrics,
+                                      mismatch_estimators)
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.losses.policy_gradient import (clipped_ratio_surrogate, opd_advantages, policy_gradient_surrogate,
                                          reference_kl_k3, softmax_entropy)
@@ -131,9 +132,8 @@ def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax
     if OBJECTIVES[cfg.kind].uses_rewards:  # the policy's entropy on its rollout: needs the full logits
         out["entropy"] = softmax_entropy(logits)
     if "sampler_full_logprobs_BxTxV" in inp:  # exact mismatch KL(sampler || trainer), full vocab, no gradient
-        # KL >= 0; identical engines round to ±1e-10 per token, and the lab reads the mean as a distance
-        out["mismatch_kl"] = jnp.maximum(div.reverse_kl(inp["sampler_full_logprobs_BxTxV"].astype(jnp.float32),
-                                                        jax.lax.stop_gradient(logits)), 0.0)
+        # the lab's formula (`jopd mismatch` computes the same outside the step); logits are already at temperature
+        out["mismatch_kl"] = exact_kl_BxT(inp["sampler_full_logprobs_BxTxV"], jax.lax.stop_gradient(logits))
     return out
 
 

@@ -80,6 +80,25 @@ def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
     return res.save(out_dir / "eval", name)
 
 
+def _probe_logger(run: OPDRun, writer: MetricsWriter):
+    """`train.probe_every`: (step, student params) -> the probe's training metrics written as probe/*; None
+    when off. The probed problems are fixed for the run (the first `train.probe_problems` held-out ones)."""
+    tc = run.cfg.train
+    if not tc.probe_every:
+        return None
+    from jopd.data.pipeline import load_problems
+    from jopd.lab import probe as probelib  # the lab builds on the OPD run, not the other way round
+
+    problems = list(load_problems(run.cfg.data, "heldout"))[: tc.probe_problems]
+    options = probelib.ProbeOptions(samples=tc.probe_samples, resamples=200, progress=False)
+
+    def log_probe(step: int, params) -> None:
+        writer.write(step, probelib.training_metrics(probelib.probe(run, params, problems, options=options)),
+                     prefix="probe/")
+
+    return log_probe
+
+
 def train(cfg: RunConfig, log=print) -> dict[str, Any]:
     out_dir = Path(cfg.train.out_dir)
     try:  # an output directory that cannot be written fails now, before any compute
@@ -99,6 +118,9 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         log(f"resumed from {ckpt_cfg.dir} at step {start}")
     is_main = jax.process_index() == 0
     writer = MetricsWriter(str(out_dir), enabled=is_main)
+    log_probe = _probe_logger(run, writer)
+    if log_probe and start == 0:
+        log_probe(0, state.params)
     before_path = out_dir / "eval" / "before.json"
     if before_path.exists():
         before = json.loads(before_path.read_text())
@@ -167,6 +189,8 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
                 ckpt.save(done, state, data_it, metadata={"step": done}, force=stop or done == cfg.train.steps)
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
                 writer.write(done, run_eval(run, state.params, f"step_{done}", out_dir), prefix="eval/")
+            if log_probe and done % cfg.train.probe_every == 0:
+                log_probe(done, state.params)
             if stop:
                 log(f"preemption requested: saved step {done}, exiting")
                 break

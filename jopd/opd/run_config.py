@@ -77,6 +77,12 @@ class TrainConfig:
     # Sampling seed of the held-out eval, independent of `seed`: every run of a study (all setups, all training
     # seeds) answers each problem with the same random draws, so per-problem comparisons pair like with like.
     eval_seed: int = 99991
+    # Teacher-reliability probe during training (`jopd probe`'s measurement, greedy teacher by default): before
+    # the first step and every N steps, on the first `probe_problems` held-out problems; logged as probe/* metrics
+    # (recovery, agreement, follows_error from the student's current erroneous prefixes). 0: off.
+    probe_every: int = pydantic.Field(0, ge=0)
+    probe_problems: int = pydantic.Field(64, ge=1)
+    probe_samples: int = pydantic.Field(0, ge=0)  # seeded teacher continuations per prefix beside the greedy one
     mismatch: Literal["exact", "estimators"] = "exact"  # exact full-vocab KL needs [B,N,V] sampler logprobs
     is_logprobs: Literal["unprocessed", "processed"] = "unprocessed"  # sampler logprobs used for IS weights
     # Which response targets the loss masks. template_first: the tokens named in `template_tokens`, at their first

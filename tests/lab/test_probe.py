@@ -146,3 +146,23 @@ def test_cli_writes_json_csv_png(tiny, capsys):
     np.testing.assert_allclose(sampled.sum(1), 1.0)  # per prefix too
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli.main(["probe", str(path), *over, "--step", "3"]) == 2  # --step without --checkpoint
+
+
+def test_train_probe_every_logs_the_probe_during_training(tiny):
+    """`train.probe_every=2` over 3 steps: probe/* rows before the first step and at step 2, the first equal to
+    the probe of the starting student measured directly; outcome rates sum to 1."""
+    tmp, path, over, run, state, problems = tiny
+    n = 16
+    cfg = load_config(str(path), over[:1] + [f"train.out_dir={tmp / 'probed'}", "train.probe_every=2",
+                                             f"train.probe_problems={n}", "train.eval_problems=8"])
+    loop.train(cfg, log=lambda *_: None)
+    rows = [json.loads(line) for line in (tmp / "probed" / "metrics.jsonl").read_text().splitlines()]
+    probed = {r["step"]: {k[len("probe/"):]: v for k, v in r.items() if k.startswith("probe/")}
+              for r in rows if any(k.startswith("probe/") for k in r)}
+    assert sorted(probed) == [0, 2]
+    direct = probelib.training_metrics(probelib.probe(
+        run, state.params, problems[:n], options=probelib.ProbeOptions(samples=0, resamples=200, progress=False)))
+    assert probed[0] == pytest.approx(direct)
+    for m in probed.values():
+        assert m["n_prefixes"] >= 1 and sum(m[o] for o in probelib.OUTCOMES) == pytest.approx(1.0)
+        assert 0.0 <= m["follows_error"] <= 1.0 and 0.0 <= m["reference_recovery"] <= 1.0
