@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jopd.data.pipeline import train_iterator
+from jopd.data.pipeline import load_problems, train_iterator
+from jopd.data.toy_tokenizer import special_token_ids
 from jopd.losses.objectives import OBJECTIVES
 from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
-from jopd.data.toy_tokenizer import special_token_ids
 from jopd.opd.evaluate import compare_table, evaluate_heldout
 from jopd.opd.guards import RunGuard, loggable
 from jopd.opd.metrics_log import MetricsWriter, plot_curves
@@ -86,7 +86,6 @@ def _probe_logger(run: OPDRun, writer: MetricsWriter):
     tc = run.cfg.train
     if not tc.probe_every:
         return None
-    from jopd.data.pipeline import load_problems
     from jopd.lab import probe as probelib  # the lab builds on the OPD run, not the other way round
 
     problems = list(load_problems(run.cfg.data, "heldout"))[: tc.probe_problems]

@@ -363,6 +363,8 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, los
     objective = OBJECTIVES[loss_cfg.kind]
     rl.check_rl_config(loss_cfg.kind, cfg.rl)
     loss_cfg = with_rl_settings(loss_cfg, cfg.rl)
+    if not objective.needs_teacher_topk:  # the support options shape the top-K losses only: decided once, here
+        loss_cfg = dataclasses.replace(loss_cfg, support="teacher_topk", support_sampled=False)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = _running_baseline(loss_cfg.kind, cfg.rl)
@@ -370,7 +372,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, los
     batch = sh.batch
 
     # the union support takes the student's top-K ids from the sampler, where its logits already exist
-    union = objective.needs_teacher_topk and loss_cfg.support == "union"
+    union = loss_cfg.support == "union"
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
                                    return_topk=loss_cfg.top_k if union else 0)
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,

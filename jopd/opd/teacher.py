@@ -19,8 +19,6 @@ from jopd.opd.batch import SequenceLayout
 def support_extra_ids(layout: SequenceLayout, student_topk_ids_BxNxK, loss_cfg: LossConfig):
     """The ids `loss.support` adds to the teacher's top-K: the student's top-K (union) and the sampled token."""
     parts = []
-    if not OBJECTIVES[loss_cfg.kind].needs_teacher_topk:  # the support options shape the top-K losses only
-        return None
     if loss_cfg.support == "union":
         if student_topk_ids_BxNxK is None:
             raise ValueError("loss.support=union: the rollout carries no student top-K ids (SamplingConfig.return_topk)")
