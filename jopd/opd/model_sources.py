@@ -1,5 +1,5 @@
-"""Getting the run's teacher, student and tokenizer: load checkpoints, or the CPU-testbed models
-(`warm_start`: trained by SFT once, then cached). Mismatched teacher/student vocabularies or chat templates are
+"""Getting the run's teacher, student and tokenizer: load checkpoints (optionally fine-tuned on the task), or
+the CPU-testbed models (`warm_start`: trained by SFT once, then cached). Mismatched teacher/student vocabularies or chat templates are
 rejected here, before any compute.
 """
 
@@ -38,9 +38,11 @@ def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer) -> tuple[M
     """(model config, params, where it came from) for `role` in {teacher, student}."""
     dtype = DTYPES[src.dtype]
     if src.path is not None:
-        model_cfg, params = io.load_params(src.path, dtype=dtype, num_layers=src.num_layers)
+        load = lambda: io.load_params(src.path, dtype=dtype, num_layers=src.num_layers)
+        if src.resolved_warm_start().steps > 0:  # fine-tune the checkpoint on the task first (cached)
+            return warm_start.sft_model(role, src, cfg, tokenizer, load)
         cut = f" (first {src.num_layers} layers)" if src.num_layers else ""
-        return model_cfg, params, f"{io.resolve_model_path(src.path)}{cut}"
+        return *load(), f"{io.resolve_model_path(src.path)}{cut}"
     return warm_start.testbed_model(role, src, cfg, testbed_model_config(src, tokenizer), tokenizer)
 
 

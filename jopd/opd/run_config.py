@@ -42,9 +42,11 @@ class ArchConfig:
 
 @config_dataclass
 class WarmStartConfig:
-    """SFT on worked solutions that makes a testbed model from scratch (cached by content hash)."""
+    """SFT on the task's worked solutions (cached by content hash): makes a testbed model from scratch, or
+    fine-tunes a checkpoint `path` (e.g. teach SmolLM2 the task before it teaches a student)."""
 
-    steps: int = pydantic.Field(300, ge=0)
+    # None: 300 for a testbed model, 0 for a checkpoint `path` (used as it is)
+    steps: int | None = pydantic.Field(None, ge=0)
     batch_size: int = pydantic.Field(64, ge=1)
     learning_rate: float = pydantic.Field(3e-3, gt=0)
     warmup_steps: int = pydantic.Field(30, ge=0)
@@ -56,13 +58,18 @@ class ModelSource:
     """Where a model comes from: a checkpoint path (HF dir or .gguf), or the built-in testbed recipe."""
 
     # HF dir / .gguf, or a built-in model name (`smollm2-135m-instruct`); None -> build `arch` by SFT
-    # (`warm_start`) and cache it
+    # (`warm_start`) and cache it. A path with `warm_start.steps` > 0 is fine-tuned by that SFT (also cached).
     path: str | None = None
     # Keep only the first N decoder layers of `path` (a truncated copy of a larger model as the student)
     num_layers: int | None = pydantic.Field(None, ge=1)
     arch: ArchConfig = ArchConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer
+
+    def resolved_warm_start(self) -> WarmStartConfig:
+        """`warm_start` with its `steps` default filled in for this kind of source."""
+        steps = self.warm_start.steps
+        return dataclasses.replace(self.warm_start, steps=(300 if self.path is None else 0) if steps is None else steps)
 
 
 @config_dataclass

@@ -31,15 +31,18 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
     return loss_fn
 
 
-def sft_loss_fn(model_cfg: ModelConfig, dtype=jnp.float32, remat: bool = False):
+def sft_loss_fn(model_cfg: ModelConfig, dtype=jnp.float32, remat: bool = False, response_from: int = 1):
     """Cross-entropy on the response of SFT batches (`tokens`, `attn_mask`, `loss_mask`, all [B, S], from
-    `data.pipeline`'s sft kind)."""
+    `data.pipeline`'s sft kind). `response_from`: the first column a response token can occupy (the pipeline's
+    `max_prompt_len`); only positions from there on are projected to logits — with a 49k vocabulary the head is
+    a large share of the step."""
     loss_cfg = LossConfig(kind="sft")
 
     def loss_fn(params, batch: Mapping[str, jax.Array]):
         hidden, _ = transformer.forward(params, batch["tokens"], cfg=model_cfg, attn_mask_BxT=batch["attn_mask"],
                                         dtype=dtype, return_hidden=True, remat=remat)
-        lb = LossBatch(targets_BxT=batch["tokens"][:, 1:], response_mask_BxT=batch["loss_mask"][:, 1:].astype(bool))
-        return token_loss(loss_cfg, params, model_cfg, hidden[:, :-1], lb, dtype=dtype)
+        r = response_from
+        lb = LossBatch(targets_BxT=batch["tokens"][:, r:], response_mask_BxT=batch["loss_mask"][:, r:].astype(bool))
+        return token_loss(loss_cfg, params, model_cfg, hidden[:, r - 1:-1], lb, dtype=dtype)
 
     return loss_fn

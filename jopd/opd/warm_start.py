@@ -1,8 +1,9 @@
-"""The CPU testbed's models: trained from scratch by SFT on worked solutions, then cached.
+"""Models made by SFT on the task's worked solutions, then cached: the CPU testbed's (trained from scratch,
+`ModelSource.path: null`) and fine-tuned checkpoints (`path` with `warm_start.steps` > 0).
 
-A testbed model (`ModelSource.path: null`) is cached under `<cache>/testbed-<role>-<hash>` as an HF directory
-(the hash covers everything that changes the result), so the second run starts in seconds; the cache entry is
-written atomically, so a killed run never leaves half of one.
+Each is cached under `<cache>/{testbed,sft}-<role>-<hash>` as an HF directory (the hash covers everything that
+changes the result), so the second run starts in seconds; the cache entry is written atomically, so a killed
+run never leaves half of one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,7 +44,8 @@ def run_sft(model_cfg: ModelConfig, params, data_cfg: DataConfig, tokenizer, war
     opt = make_optimizer(OptimConfig(learning_rate=warm.learning_rate, warmup_steps=warm.warmup_steps,
                                      weight_decay=0.0), warm.steps)
     state = init_train_state(params, opt, jax.random.key(warm.seed))
-    step = jax.jit(make_train_step(sft_loss_fn(model_cfg, dtype), opt), donate_argnums=0)
+    loss_fn = sft_loss_fn(model_cfg, dtype, response_from=data_cfg.max_prompt_len)
+    step = jax.jit(make_train_step(loss_fn, opt), donate_argnums=0)
     bar = tqdm(range(warm.steps), desc=desc, dynamic_ncols=True)
     pending = None
     for i in bar:
@@ -54,30 +57,52 @@ def run_sft(model_cfg: ModelConfig, params, data_cfg: DataConfig, tokenizer, war
     return state.params
 
 
-def testbed_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str:
-    blob = json.dumps({
-        "v": _FORMAT_VERSION, "role": role, "arch": dataclasses.asdict(src.arch),
-        "warm": dataclasses.asdict(src.warm_start), "dtype": src.dtype,
+def _checkpoint_fingerprint(path: str) -> dict[str, Any]:
+    """Which checkpoint a fine-tune started from: its resolved path and the sizes of its files."""
+    root = io.resolve_model_path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {"path": str(root), "files": [[str(p.relative_to(root.parent)), p.stat().st_size] for p in files]}
+
+
+def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str:
+    fields = {
+        "v": _FORMAT_VERSION, "role": role, "warm": dataclasses.asdict(src.resolved_warm_start()),
+        "dtype": src.dtype,
         "task": dataclasses.asdict(data_cfg.arithmetic) if data_cfg.task == "arithmetic" else
         [data_cfg.train_path], "lens": [data_cfg.max_prompt_len, data_cfg.max_response_len],
         "system": data_cfg.system_prompt, "vocab": sorted(tokenizer.get_vocab().items()),
         "template": tokenizer.chat_template,
-    }, sort_keys=True, default=str)
+    }
+    if src.path is None:
+        fields["arch"] = dataclasses.asdict(src.arch)
+    else:
+        fields.update(start=_checkpoint_fingerprint(src.path), num_layers=src.num_layers)
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def testbed_model(role: str, src: ModelSource, cfg: RunConfig, model_cfg: ModelConfig, tokenizer
-                  ) -> tuple[ModelConfig, Any, str]:
-    """(model config, params, where from): the cached entry, or SFT from scratch now (then cached)."""
+def sft_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer,
+              initial: Callable[[], tuple[ModelConfig, Any]]) -> tuple[ModelConfig, Any, str]:
+    """(model config, params, where from): the cached entry, or `initial()` trained by SFT now (then cached)."""
     dtype = DTYPES[src.dtype]
-    model_dir = cache_root(cfg) / f"testbed-{role}-{testbed_key(role, src, cfg.data, tokenizer)}"
+    prefix = "testbed" if src.path is None else "sft"
+    model_dir = cache_root(cfg) / f"{prefix}-{role}-{sft_key(role, src, cfg.data, tokenizer)}"
     if (model_dir / "config.json").is_file():
         model_cfg, params = io.load_params(model_dir, dtype=dtype)
         return model_cfg, params, f"{model_dir} (cached)"
-    params = transformer.init_params(model_cfg, jax.random.key(src.warm_start.seed), dtype)
-    params = run_sft(model_cfg, params, cfg.data, tokenizer, src.warm_start, desc=f"SFT {role}", dtype=dtype)
+    model_cfg, params = initial()
+    params = run_sft(model_cfg, params, cfg.data, tokenizer, src.resolved_warm_start(), desc=f"SFT {role}",
+                     dtype=dtype)
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     io.save_hf(jax.device_get(params), model_cfg, tmp, tokenizer=tokenizer)
     os.replace(tmp, model_dir)  # atomic: a killed run never leaves a half-written cache entry
     return model_cfg, params, f"{model_dir} (trained now)"
+
+
+def testbed_model(role: str, src: ModelSource, cfg: RunConfig, model_cfg: ModelConfig, tokenizer
+                  ) -> tuple[ModelConfig, Any, str]:
+    """A testbed model: `model_cfg` initialized at random, then SFT (or its cached result)."""
+    init = lambda: (model_cfg, transformer.init_params(model_cfg, jax.random.key(src.resolved_warm_start().seed),
+                                                       DTYPES[src.dtype]))
+    return sft_model(role, src, cfg, tokenizer, init)
