@@ -51,3 +51,16 @@ def test_fine_tuned_checkpoint_is_trained_cached_and_keyed_by_its_recipe(tmp_pat
     assert len(keys) == 2  # a different recipe never reuses the entry
     two_layers = _config(tmp_path, ckpt, "student.warm_start.steps=4", "student.num_layers=2")
     assert sft_key("student", two_layers.student, two_layers.data, TOK) not in keys
+
+
+def test_sft_loss_projecting_only_response_positions_equals_the_full_projection():
+    from jopd.data.pipeline import DataConfig, train_iterator
+    from jopd.opd.student_loss import sft_loss_fn
+
+    data = DataConfig(batch_size=4, max_prompt_len=128, max_response_len=64, arithmetic={"max_steps": 1})
+    b = next(train_iterator(data, TOK, kind="sft"))
+    batch = {k: b[k] for k in ("tokens", "attn_mask", "loss_mask")}
+    params = transformer.init_params(START, jax.random.key(1))
+    full, _ = sft_loss_fn(START)(params, batch)
+    sliced, _ = sft_loss_fn(START, response_from=data.max_prompt_len)(params, batch)
+    np.testing.assert_allclose(float(sliced), float(full), rtol=1e-6)
