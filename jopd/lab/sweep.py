@@ -8,8 +8,14 @@ first run, and copied into the others.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import os
 import shutil
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -60,13 +66,44 @@ def _share_before_eval(sweep: SweepConfig, target: Path) -> None:
             return
 
 
+@contextlib.contextmanager
+def locked_out_dir(sweep: SweepConfig) -> Iterator[Path]:
+    """Hold an exclusive lock on the sweep's out_dir while it trains: a second `jopd sweep` on the same directory
+    would train the same runs beside it and mix their checkpoints. The OS drops the lock when the process dies
+    (even on SIGKILL), so there is no stale lock to clean up. One lock per host and process id, so the processes
+    of one multi-host job sharing a file system do not block each other."""
+    out = Path(sweep.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f".sweep.{socket.gethostname()}.p{os.environ.get('JAX_PROCESS_ID', '0')}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise BlockingIOError(errno.EAGAIN, f"sweep out_dir {out}: another jopd sweep (pid {holder}) is "
+                                  "training into it; stop it or wait for it to finish") from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield out
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_sweep(sweep: SweepConfig, log=print) -> list[dict]:
     """Train every planned run that is not finished yet. Returns one record per run: setup, seed, dir, status
     ("done" = finished before, "trained" = finished now, "interrupted" = preempted, resumable) and the wall
-    seconds spent now."""
+    seconds spent now. Refuses (BlockingIOError, one line from the CLI) while another sweep trains into the same out_dir."""
+    check_configs(sweep)
+    with locked_out_dir(sweep):
+        return _train_planned(sweep, log)
+
+
+def _train_planned(sweep: SweepConfig, log) -> list[dict]:
     from jopd.opd.loop import train
 
-    check_configs(sweep)
     records = []
     runs = planned_runs(sweep)
     for i, (method, setup, seed) in enumerate(tqdm(runs, desc="sweep", dynamic_ncols=True)):

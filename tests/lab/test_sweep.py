@@ -105,3 +105,35 @@ def test_contrast_sweep_judges_each_method_by_its_own_rule(tmp_path, capsys):
     assert rows[("grpo", "noise_3")]["mismatch"] > 0.1
     assert (out / "contrast.png").stat().st_size > 10_000
     assert "grpo" in capsys.readouterr().out
+
+
+def test_a_second_sweep_on_the_same_out_dir_is_refused_while_the_first_trains(sweep_file, monkeypatch, capsys):
+    import subprocess
+    import sys
+    import textwrap
+
+    sweep = load_sweep(str(sweep_file))
+    # the first sweep is another process (flock is per open file, so a second process is the real case)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from jopd.lab.sweep import locked_out_dir
+        from jopd.lab.sweep_config import load_sweep
+        with locked_out_dir(load_sweep({str(sweep_file)!r})):
+            print("locked", flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        trained = []
+        monkeypatch.setattr(loop, "train", lambda cfg, log=print: trained.append(cfg))
+        assert cli.main(["sweep", str(sweep_file)]) == 2
+        err = capsys.readouterr().err
+        assert f"pid {holder.pid}" in err and "another jopd sweep" in err and len(err.strip().splitlines()) == 1
+        assert trained == []  # nothing trained into the busy directory
+    finally:
+        holder.kill()
+        holder.wait()
+    # the lock dies with its process (SIGKILL included): the sweep now trains
+    monkeypatch.setattr(loop, "train", lambda cfg, log=print: trained.append(cfg.train.out_dir) or {"steps": 0})
+    sweeplib.run_sweep(sweep, log=lambda *_: None)
+    assert len(trained) == 1  # the fake run "was preempted" (no "after"), so the sweep stopped after it
