@@ -45,15 +45,17 @@ class RunGuard:
         total = float(mask.sum())
         special = float((np.isin(tokens_BxN, self.special_ids) & mask).sum()) if self.special_ids.size else 0.0
         return {"special_token_frac": special / total if total else 0.0,
-                "counted_token_frac": num_tokens / total if total else 0.0}
+                "counted_token_frac": num_tokens / total if total else 0.0,
+                "response_at_cap": float(np.mean(lengths_B >= self.max_new_tokens))}
 
-    def check(self, step: int, metrics: dict[str, float], lengths_B: np.ndarray) -> tuple[str | None, str | None]:
-        """(a warning to print once, a reason to stop) for the step whose metrics these are."""
+    def check(self, step: int, metrics: dict[str, float]) -> tuple[str | None, str | None]:
+        """(a warning to print once, a reason to stop) for the step whose metrics (`rollout_metrics` included)
+        these are."""
         if metrics.get("nonfinite", 0.0) > 0:
             what = f"step {step}: non-finite loss or gradient (loss {metrics.get('loss')}, grad_norm " \
                    f"{metrics.get('grad_norm')}); the update was not applied"
             return (what, None) if self.cfg.nonfinite == "skip" else (None, what)
-        at_cap = float(np.mean(lengths_B >= self.max_new_tokens))
+        at_cap = metrics.get("response_at_cap", 0.0)
         reasons = []
         if metrics.get("num_tokens", 1.0) == 0:
             reasons.append("no response token counts in the loss")

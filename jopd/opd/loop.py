@@ -143,10 +143,9 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         lengths = np.asarray(jax.device_get(out.lengths_B))
         tokens = np.asarray(jax.device_get(out.tokens_BxN))
-        if reward is not None:  # RL kinds (their entropy, clip_frac, ratio_mean, kl_ref come from the update);
-            r = np.asarray(jax.device_get(reward), np.float64)  # at_cap: a collapse signal of `compare --rl`
-            m |= {"reward": float(r.mean()), "reward_std": float(r.std()),
-                  "response_at_cap": float(np.mean(lengths >= cfg.sampling.max_new_tokens))}
+        if reward is not None:  # RL kinds (their entropy, clip_frac, ratio_mean, kl_ref come from the update)
+            r = np.asarray(jax.device_get(reward), np.float64)
+            m |= {"reward": float(r.mean()), "reward_std": float(r.std())}
         if rollouts is not None:
             texts = [run.tokenizer.decode(tokens[b, :lengths[b]]) for b in range(min(cfg.train.log_rollouts, len(tokens)))]
             rollouts.write(json.dumps({"step": step, "index": batch["index"].tolist(), "lengths": lengths.tolist(),
@@ -156,7 +155,7 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
               "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
         m |= run_guard.rollout_metrics(tokens, lengths, m.get("num_tokens", 0.0))
-        warning, reason = run_guard.check(step, m, lengths)
+        warning, reason = run_guard.check(step, m)  # response_at_cap: also `compare --rl`'s collapse signal
         if warning and is_main:
             log(f"warning: {warning}")
         if step % cfg.train.log_every == 0 or step == cfg.train.steps or reason:

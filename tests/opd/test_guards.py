@@ -16,23 +16,24 @@ def test_run_guard_streak_and_actions():
     lengths = np.full(4, 3)
     g = RunGuard(GuardConfig(patience=3), special_ids={1, 2}, max_new_tokens=10)
     empty = {"num_tokens": 0.0, "counted_token_frac": 0.0}
-    assert g.check(1, empty, lengths) == (None, None) and g.check(2, empty, lengths) == (None, None)
-    assert g.check(3, {"num_tokens": 5.0, "counted_token_frac": 0.5}, lengths) == (None, None)  # streak broken
+    assert g.check(1, empty) == (None, None) and g.check(2, empty) == (None, None)
+    assert g.check(3, {"num_tokens": 5.0, "counted_token_frac": 0.5}) == (None, None)  # streak broken
     for step in (4, 5):
-        assert g.check(step, empty, lengths) == (None, None)
-    warning, stop = g.check(6, empty, lengths)
+        assert g.check(step, empty) == (None, None)
+    warning, stop = g.check(6, empty)
     assert warning is None and "no response token counts" in stop and "3 consecutive steps" in stop
     w = RunGuard(GuardConfig(patience=1, degenerate="warn", min_token_frac=0.2), set(), 10)
-    warning, stop = w.check(1, {"num_tokens": 1.0, "counted_token_frac": 0.1}, lengths)
-    assert stop is None and "only 10.0%" in warning and w.check(2, {"num_tokens": 1.0, "counted_token_frac": 0.1},
-                                                                 lengths) == (None, None)  # warned once
+    warning, stop = w.check(1, {"num_tokens": 1.0, "counted_token_frac": 0.1})
+    assert stop is None and "only 10.0%" in warning
+    assert w.check(2, {"num_tokens": 1.0, "counted_token_frac": 0.1}) == (None, None)  # warned once
     pinned = RunGuard(GuardConfig(patience=1), {7}, max_new_tokens=3)
     tokens = np.full((4, 3), 7)
     m = {"num_tokens": 12.0} | pinned.rollout_metrics(tokens, lengths, 12.0)
-    assert m["special_token_frac"] == 1.0 and "hit max_new_tokens" in pinned.check(1, m, lengths)[1]
+    assert m["special_token_frac"] == 1.0 and m["response_at_cap"] == 1.0
+    assert "hit max_new_tokens" in pinned.check(1, m)[1]
     nan = {"nonfinite": 1.0, "loss": float("nan")}
-    assert "non-finite" in RunGuard(GuardConfig(), set(), 10).check(9, nan, lengths)[1]
-    assert "non-finite" in RunGuard(GuardConfig(nonfinite="skip"), set(), 10).check(9, nan, lengths)[0]
+    assert "non-finite" in RunGuard(GuardConfig(), set(), 10).check(9, nan)[1]
+    assert "non-finite" in RunGuard(GuardConfig(nonfinite="skip"), set(), 10).check(9, nan)[0]
     assert loggable({"num_tokens": 0.0, "loss": 0.0, "response_len": 3.0}) == {"num_tokens": 0.0, "response_len": 3.0}
 
 
