@@ -95,7 +95,8 @@ def locked_out_dir(sweep: SweepConfig) -> Iterator[Path]:
 def run_sweep(sweep: SweepConfig, log=print) -> list[dict]:
     """Train every planned run that is not finished yet. Returns one record per run: setup, seed, dir, status
     ("done" = finished before, "trained" = finished now, "interrupted" = preempted, resumable) and the wall
-    seconds spent now. Refuses (BlockingIOError, one line from the CLI) while another sweep trains into the same out_dir."""
+    seconds spent now. Refuses (BlockingIOError, one line from the CLI) while another sweep trains into the same
+    out_dir."""
     check_configs(sweep)
     with locked_out_dir(sweep):
         return _train_planned(sweep, log)
