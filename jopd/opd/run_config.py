@@ -13,6 +13,7 @@ from typing import Any, Literal
 import pydantic
 import yaml
 
+from jopd import registry
 from jopd.opd.checkpoint import CheckpointConfig
 from jopd.opd.guards import GuardConfig
 from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yaml_mapping
@@ -109,6 +110,9 @@ class TrainConfig:
 
 @config_dataclass
 class RunConfig:
+    # Modules (`my_pkg.my_loss`) or .py files (relative to the config's folder) imported before the config is
+    # validated: what registers a user's own loss kinds, tasks and model families (`jopd.registry`).
+    plugins: tuple[str, ...] = ()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
     data: DataConfig = DataConfig()
@@ -162,6 +166,13 @@ def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
     data = read_yaml_mapping(path) if path is not None else {}
     data = _upgrade(data)
     data = apply_overrides(data, list(overrides))
+    if "plugins" in data:  # the user's registry entries (loss kinds, tasks, model families) exist before validation
+        base = os.path.dirname(os.path.abspath(path)) if path is not None else os.getcwd()
+        try:
+            data["plugins"] = registry.resolve_plugins(data["plugins"] or (), base)
+            registry.load_plugins(data["plugins"])
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"RunConfig.{e}") from None
     return build(RunConfig, data, where="RunConfig")
 
 
