@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
-Family = Literal["llama", "qwen2", "qwen3"]
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+from jopd.models.families import FAMILIES, family_of_model_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +22,7 @@ class RopeScaling:
 class ModelConfig:
     """Hashable (usable as a jit static argument) description of one model."""
 
-    family: Family = "llama"
+    family: str = "llama"  # a name in `families.FAMILIES`
     vocab_size: int = 256
     hidden_size: int = 64  # D
     intermediate_size: int = 128  # F (SwiGLU width)
@@ -35,8 +34,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias=True)
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qkv_bias: bool = False  # biases on q/k/v (the family's switch when read from a checkpoint)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (likewise)
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -50,8 +49,8 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.family not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"ModelConfig.family={self.family!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelConfig.family: {FAMILIES.unknown(self.family)}")
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -64,18 +63,15 @@ class ModelConfig:
     # ---- HF config.json ----
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{source}: model_type={model_type!r} is not supported (supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+        name = family_of_model_type(hf.get("model_type"), source)
+        family = FAMILIES[name]
         if hf.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act={hf.get('hidden_act')!r} is not supported (only 'silu')")
-        if hf.get("attention_bias") and model_type != "qwen2":  # llama/qwen3 then also bias o_proj
-            raise ValueError(f"{source}: attention_bias=true is not supported (it adds an o_proj bias)")
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        for key, why in family.hf_refused.items():
+            if hf.get(key):
+                raise ValueError(f"{source}: {key}=true is not supported" + (f" ({why})" if why else ""))
         rope_scaling = None
         rs = hf.get("rope_scaling") or {}
         rope_params = hf.get("rope_parameters") or {}
@@ -95,7 +91,7 @@ class ModelConfig:
         if isinstance(eos, list):
             eos = tuple(eos)
         return cls(
-            family=model_type,
+            family=name,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
             intermediate_size=int(hf["intermediate_size"]),
@@ -107,8 +103,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
-            qkv_bias=(model_type == "qwen2"),
-            qk_norm=(model_type == "qwen3"),
+            **family.switches(),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
@@ -116,10 +111,10 @@ class ModelConfig:
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        family = FAMILIES[self.family]
         out: dict[str, Any] = {
-            "architectures": [arch[self.family]],
-            "model_type": self.family,
+            "architectures": [family.hf_architecture],
+            "model_type": family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -136,11 +131,7 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if self.family == "llama":
-            out["attention_bias"] = self.qkv_bias
-            out["mlp_bias"] = False
-        if self.family == "qwen2":
-            out["use_sliding_window"] = False
+        out.update(family.hf_extra)
         for k in ("bos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)

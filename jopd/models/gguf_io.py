@@ -1,8 +1,8 @@
 """GGUF files (llama.cpp format) read through the `gguf` package: config from metadata, tensors dequantized
 with numpy (`gguf.quants.dequantize`), presented under HF tensor names so `hf_layout` serves both formats.
 
-llama.cpp's converter permutes the rows of `attn_q`/`attn_k` for the llama architecture (its RoPE pairs
-adjacent dims, HF's pairs the two halves of the head); `fetch` undoes that. qwen2/qwen3 are stored unpermuted.
+The family comes from `general.architecture` (`Family.gguf_arch`); where llama.cpp's converter permuted the
+rows of `attn_q`/`attn_k` (`Family.gguf_qk_permuted`: llama), `fetch` undoes that.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
-from jopd.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jopd.models.config import ModelConfig
+from jopd.models.families import FAMILIES, family_of_gguf_arch
 
 _HF_TO_GGUF = [  # (HF name pattern, GGUF name template)
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
@@ -76,9 +77,7 @@ class GGUFSource:
 
     def _config(self) -> ModelConfig:
         arch = self._field("general.architecture", required=True)
-        if arch not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{self.path}: general.architecture={arch!r} is not supported (supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+        family = FAMILIES[family_of_gguf_arch(arch, str(self.path))]
         if "rope_freqs.weight" in self.tensors:
             raise ValueError(f"{self.path}: tensor rope_freqs.weight (llama.cpp's RoPE frequency scaling) is not "
                              f"supported; convert the HF checkpoint instead")
@@ -90,7 +89,7 @@ class GGUFSource:
             tokens = self.reader.fields.get("tokenizer.ggml.tokens")
             vocab = len(tokens.data) if tokens is not None else int(self.tensors["token_embd.weight"].shape[1])
         hf = {
-            "model_type": arch,
+            "model_type": family.model_type,
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(a("feed_forward_length", required=True)),
@@ -131,7 +130,7 @@ class GGUFSource:
     def fetch(self, name: str, hf_index: tuple[slice, ...]) -> np.ndarray:
         t = self.tensors[gguf_name(name)]
         w = quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
-        if self.cfg.family == "llama" and re.search(r"\.(q|k)_proj\.", name):
+        if FAMILIES[self.cfg.family].gguf_qk_permuted and re.search(r"\.(q|k)_proj\.", name):
             n = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
             w = llama_unpermute(w, n)
         return np.asarray(w[hf_index], np.float32)

@@ -18,6 +18,7 @@ import safetensors
 import safetensors.numpy
 
 from jopd.models.config import ModelConfig
+from jopd.models.families import FAMILIES
 from jopd.models.hf_layout import hf_views
 
 SINGLE_FILE = "model.safetensors"
@@ -109,10 +110,10 @@ class SafetensorsSource:
 def save_hf(params: dict[str, Any], cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer=None) -> Path:
     """Write `config.json` + `model.safetensors` (in the params' dtype) that transformers (and so vLLM) load
     directly, plus the tokenizer files when a tokenizer is given. Returns the directory."""
-    for field, family in (("qkv_bias", "qwen2"), ("qk_norm", "qwen3")):
-        if getattr(cfg, field) != (cfg.family == family):  # HF ties these to the model type
+    for field, fixed in FAMILIES[cfg.family].switches().items():
+        if getattr(cfg, field) != fixed:  # config.json has no key for these: the model type implies them
             raise ValueError(f"save_hf: ModelConfig.{field}={getattr(cfg, field)} cannot be expressed in an HF "
-                             f"{cfg.family} config.json (it is {cfg.family == family} for that model type)")
+                             f"{cfg.family} config.json (it is {fixed} for that model type)")
     hf = cfg.to_hf_dict()
     implied = ModelConfig.from_hf_dict(hf, source="save_hf")
     if implied != cfg:

@@ -11,6 +11,7 @@ from jopd.data.toy_tokenizer import build_toy_tokenizer
 from jopd.models import io
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
+from jopd.models.families import FAMILIES
 from jopd.opd import warm_start
 from jopd.opd.run_config import ModelSource, RunConfig
 
@@ -29,7 +30,7 @@ def testbed_model_config(src: ModelSource, tokenizer) -> ModelConfig:
         family=a.family, vocab_size=len(tokenizer), hidden_size=a.hidden_size,
         intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
         num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tie_word_embeddings=a.tie_word_embeddings,
-        qkv_bias=a.family == "qwen2", qk_norm=a.family == "qwen3",
+        **FAMILIES[a.family].switches(),
         max_position_embeddings=a.max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 

@@ -19,6 +19,7 @@ from jopd.opd.guards import GuardConfig
 from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yaml_mapping
 from jopd.data.pipeline import DataConfig
 from jopd.losses import LossConfig
+from jopd.models.families import FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
 from jopd.sampling.precision import PrecisionConfig
@@ -30,7 +31,7 @@ from jopd.sampling.sampler import SamplingConfig
 class ArchConfig:
     """Architecture of a built-in testbed model (trained from scratch by SFT; the tokenizer sets the vocab)."""
 
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    family: FamilyName = "llama"  # a registered model family (`jopd.models.families`, or a plugin's)
     hidden_size: int = pydantic.Field(64, ge=8)
     intermediate_size: int = pydantic.Field(192, ge=8)
     num_layers: int = pydantic.Field(2, ge=1)
