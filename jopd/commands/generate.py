@@ -48,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
     cfg, params = io.load_params(model, progress=sys.stderr.isatty())
     tokenizer = io.load_tokenizer(model)
     ids = user_prompt_ids(tokenizer, args.prompt)
-    if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"--prompt: {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} exceed the "
-                         f"model's context ({cfg.max_position_embeddings})")
+    cfg.check_context(len(ids) + args.max_new_tokens,
+                      f"--prompt: {len(ids)} tokens + --max-new-tokens {args.max_new_tokens}")
     eos = cfg.eos_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     new = greedy_tokens(params, cfg, ids, args.max_new_tokens, compute_dtype=args.dtype, stop_token_ids=tuple(eos))
     print(tokenizer.decode(cut_at_eos(new, eos), skip_special_tokens=True))

@@ -92,9 +92,8 @@ def run(args: argparse.Namespace) -> int:
     for (line, _), p in zip(rows, ids):
         if not p:
             raise ValueError(f"{args.prompts}:{line}: the prompt is empty after tokenization")
-        if len(p) + args.max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"{args.prompts}:{line}: prompt of {len(p)} tokens + --max-new-tokens "
-                             f"{args.max_new_tokens} exceeds the model context of {cfg.max_position_embeddings}")
+        cfg.check_context(len(p) + args.max_new_tokens,
+                          f"{args.prompts}:{line}: prompt of {len(p)} tokens + --max-new-tokens {args.max_new_tokens}")
     eos = () if cfg.eos_ids or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     sampling = dataclasses.replace(sampling, stop_token_ids=eos)
 

@@ -60,6 +60,12 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    def check_context(self, tokens: int, what: str, model: str = "model") -> None:
+        """One line if a sequence of `tokens` (described by `what`, e.g. "prompts[3]: 60 tokens +
+        max_new_tokens=8") does not fit the context of `model` (how the error names it)."""
+        if tokens > self.max_position_embeddings:
+            raise ValueError(f"{what} exceed the {model}'s context of {self.max_position_embeddings} tokens")
+
     # ---- HF config.json ----
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":

@@ -289,9 +289,7 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                          f"student vocab_size={s_cfg.vocab_size}")
     context = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
     for role, m in (("student", s_cfg), ("teacher", t_cfg)):
-        if context > m.max_position_embeddings:
-            raise ValueError(f"data.max_prompt_len + sampling.max_new_tokens = {context} exceeds the {role}'s "
-                             f"context of {m.max_position_embeddings} tokens")
+        m.check_context(context, f"data.max_prompt_len + sampling.max_new_tokens = {context}", role)
     mesh = meshlib.make_mesh(cfg.mesh, devices)
     programs, buffers = stage_programs(cfg, s_cfg, t_cfg, mesh)
 

@@ -370,9 +370,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_new_to
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompts[{i}]: empty prompt")
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_new_tokens={max_new_tokens} exceed the model "
-                             f"context of {cfg.max_position_embeddings} tokens")
+        cfg.check_context(len(p) + max_new_tokens, f"prompts[{i}]: {len(p)} tokens + max_new_tokens={max_new_tokens}")
 
 
 def _program_precision(precision: PrecisionConfig) -> PrecisionConfig:

@@ -105,3 +105,11 @@ def test_gguf_layout_comes_from_the_entry(registered, tmp_path):
         write_gguf(tmp_path / "g.gguf", model, arch_name="gemma")
         io.open_checkpoint(tmp_path / "g.gguf")
 
+
+def test_context_check_is_one_line_naming_the_model():
+    cfg = ModelConfig(max_position_embeddings=64)
+    cfg.check_context(64, "prompt")
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: 60 tokens \+ 8 exceed the model's context of 64 tokens$"):
+        cfg.check_context(68, "prompts[0]: 60 tokens + 8")
+    with pytest.raises(ValueError, match=r"^x = 65 exceed the teacher's context of 64 tokens$"):
+        cfg.check_context(65, "x = 65", "teacher")
