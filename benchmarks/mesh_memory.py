@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jopd.parallel import mesh as M  # noqa: E402
+from jopd import parallel as M  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.models import transformer as T  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402

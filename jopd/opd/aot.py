@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jopd.parallel import mesh as meshlib
+from jopd import parallel as meshlib
 from jopd.opd.run_config import ModelSource, RunConfig
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig

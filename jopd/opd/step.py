@@ -52,7 +52,7 @@ from jopd.opd.run_config import RunConfig
 from jopd.opd.student_loss import rollout_loss_fn
 from jopd.opd.teacher import teacher_fields
 from jopd.opd.train_state import TrainState, make_train_step, new_train_state, opt_state_shardings
-from jopd.parallel import mesh as meshlib
+from jopd import parallel as meshlib
 from jopd.parallel.distributed import host_local_to_global
 from jopd.sampling.precision import prepare_sampler_params
 from jopd.sampling.sampler import RowRandomness, SampleOutput, Sampler, SamplerShardings, row_randomness

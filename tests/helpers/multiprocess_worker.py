@@ -47,7 +47,8 @@ def make_batch() -> tuple[np.ndarray, np.ndarray]:
 
 
 def main(out_dir: str) -> None:
-    from jopd.parallel import distributed, mesh as M
+    from jopd import parallel as M
+    from jopd.parallel import distributed
 
     log("initializing")
     assert distributed.maybe_initialize({"initialization_timeout_s": 60}), "expected a multi-process job (JAX_COORDINATOR_ADDRESS unset?)"

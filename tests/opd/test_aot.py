@@ -51,7 +51,7 @@ def test_every_stage_compiles_from_abstract_inputs(fsdp8):
 
 def test_compiled_sizes_match_shapes_and_shardings(fsdp8):
     """XLA's per-device sizes against bytes computed independently from shapes and shardings."""
-    from jopd.parallel import mesh as meshlib
+    from jopd import parallel as meshlib
     from jopd.models import transformer
 
     cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8")

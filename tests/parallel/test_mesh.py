@@ -1,4 +1,4 @@
-"""Mesh, logical-axis rules and sharded forward on 8 simulated CPU devices (see jopd/parallel/mesh.py)."""
+"""Mesh, logical-axis rules and sharded forward on 8 simulated CPU devices (see jopd/parallel/)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jopd.parallel import mesh as M
+from jopd import parallel as M
 from jopd.config_dataclass import ConfigError, build
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
+from tests.helpers import sharding as H
 
 # Tiny GQA model (4 heads / 2 kv heads), untied head so lm_head is sharded too.
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -47,7 +48,7 @@ def test_sharded_forward_equals_unsharded(reference, kind, sizes):
     rules = M.rules_for(kind)
     shardings = M.param_shardings(CFG, mesh, rules)
     if kind == "sample":  # created directly in the layout (never whole on one device), same values
-        created = M.init_sharded_params(CFG, jax.random.key(0), shardings)
+        created = H.init_sharded_params(CFG, jax.random.key(0), shardings)
         assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding == s, created, shardings))
         for a, b in zip(jax.tree.leaves(created), jax.tree.leaves(params)):
             np.testing.assert_allclose(4.0 * np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
@@ -65,8 +66,8 @@ def test_params_are_distributed_under_fsdp8(reference):
     mesh = M.make_mesh(M.MeshConfig(data=1, fsdp=8))
     shardings = M.param_shardings(CFG, mesh, M.TRAIN_RULES)
     sharded = jax.device_put(params, shardings)
-    assert M.shardings_of(sharded) == shardings
-    per_device = M.per_device_bytes(sharded)
+    assert H.shardings_of(sharded) == shardings
+    per_device = H.per_device_bytes(sharded)
     assert len(per_device) == 8
     assert max(per_device.values()) <= _bytes(params) / 6, (per_device, _bytes(params))
     assert M.sharded_bytes_per_device(T.abstract_params(CFG), shardings) == max(per_device.values())
@@ -105,15 +106,15 @@ def test_reshard_for_sampling_moves_and_casts_without_consuming(reference):
     mesh = M.make_mesh(M.MeshConfig(data=2, fsdp=2, tensor=2))
     train = jax.device_put(params, M.param_shardings(CFG, mesh, M.TRAIN_RULES))
     sample_sh = M.param_shardings(CFG, mesh, M.SAMPLE_RULES)
-    out = M.reshard_for_sampling(train, sample_sh, jnp.bfloat16)
+    out = H.reshard_for_sampling(train, sample_sh, jnp.bfloat16)
     for x, y, sh, p in zip(jax.tree.leaves(train), jax.tree.leaves(out), jax.tree.leaves(sample_sh),
                            jax.tree.leaves(params)):
         assert not x.is_deleted()  # the trainer keeps its copy
         assert y.dtype == jnp.bfloat16 and y.sharding == sh
         np.testing.assert_array_equal(np.asarray(y), np.asarray(p.astype(jnp.bfloat16)))
-    hits = M._cast_fn.cache_info().hits
-    M.reshard_for_sampling(train, sample_sh, jnp.bfloat16)  # the next weight sync reuses the compiled copy
-    assert M._cast_fn.cache_info().hits == hits + 1
+    hits = H._cast_fn.cache_info().hits
+    H.reshard_for_sampling(train, sample_sh, jnp.bfloat16)  # the next weight sync reuses the compiled copy
+    assert H._cast_fn.cache_info().hits == hits + 1
 
 
 
@@ -134,20 +135,20 @@ def test_unstacked_layer_shardings_place_each_layer_like_its_stacked_slice(refer
 
 
 def test_teacher_on_split_submesh():
-    cfg = build(M.PlacementConfig, {"teacher_devices": "split", "teacher_num_devices": 2,
+    cfg = build(H.PlacementConfig, {"teacher_devices": "split", "teacher_num_devices": 2,
                                     "student": {"data": -1}, "teacher": {"data": 1, "fsdp": -1}})
-    student_mesh, teacher_mesh = M.make_meshes(cfg)
+    student_mesh, teacher_mesh = H.make_meshes(cfg)
     assert dict(student_mesh.shape) == dict(data=6, fsdp=1, tensor=1)
     assert dict(teacher_mesh.shape) == dict(data=1, fsdp=2, tensor=1)
     assert not set(student_mesh.devices.flat) & set(teacher_mesh.devices.flat)
-    same_s, same_t = M.make_meshes(M.PlacementConfig())
+    same_s, same_t = H.make_meshes(H.PlacementConfig())
     assert same_s is same_t and same_s.devices.size == 8
     # teacher params live only on the teacher's devices; a copy moves to the student's devices on device
     params = T.init_params(CFG, jax.random.key(3))
     teacher = jax.device_put(params, M.param_shardings(CFG, teacher_mesh, M.TRAIN_RULES))
-    assert M.per_device_bytes(teacher).keys() == set(teacher_mesh.devices.flat)
-    moved = M.reshard_for_sampling(teacher, M.param_shardings(CFG, student_mesh, M.SAMPLE_RULES), jnp.float32)
-    assert M.per_device_bytes(moved).keys() == set(student_mesh.devices.flat)
+    assert H.per_device_bytes(teacher).keys() == set(teacher_mesh.devices.flat)
+    moved = H.reshard_for_sampling(teacher, M.param_shardings(CFG, student_mesh, M.SAMPLE_RULES), jnp.float32)
+    assert H.per_device_bytes(moved).keys() == set(student_mesh.devices.flat)
     np.testing.assert_array_equal(np.asarray(moved["layers"]["q"]), np.asarray(params["layers"]["q"]))
 
 

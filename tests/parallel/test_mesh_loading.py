@@ -6,9 +6,10 @@ import pytest
 import torch
 import transformers
 
-from jopd.parallel import mesh as M
+from jopd import parallel as M
 from jopd.models import hf_io, io
 from jopd.models import transformer as T
+from tests.helpers import sharding as H
 
 
 @pytest.fixture(scope="module")
@@ -75,5 +76,5 @@ def test_fsdp8_load_reads_only_owned_slices(sharded_checkpoint, monkeypatch):
     for a, b, sh in zip(jax.tree.leaves(via_io), jax.tree.leaves(full), jax.tree.leaves(shardings)):
         assert a.sharding == sh
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert max(M.per_device_bytes(via_io).values()) * 8 == sum(x.nbytes for x in jax.tree.leaves(full))
+    assert max(H.per_device_bytes(via_io).values()) * 8 == sum(x.nbytes for x in jax.tree.leaves(full))
     assert jax.tree.structure(params) == jax.tree.structure(T.abstract_params(cfg))

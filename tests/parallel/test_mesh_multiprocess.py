@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jopd.parallel import mesh as M
+from jopd import parallel as M
 from tests.helpers import multiprocess_worker as worker
 
 ROOT = Path(__file__).resolve().parents[2]
