@@ -2,12 +2,16 @@
 
 The rollouts come from the sampler's distribution q (its own precision/engine); the loss is taken under the
 trainer's p. Per sampled token, the ratio r = p(y)/q(y) = exp(log p - log q). Weights are stop-gradient.
+
+`mismatch_terms_BxT` and `effective_sample_size` take numpy or JAX arrays alike: the step logs them in fp32
+under jit, the lab (`jopd.lab.measure`) sums them per prompt in float64 for its bootstrap, from one definition.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jopd.losses.masks import masked_max, masked_mean, masked_sum
@@ -15,6 +19,33 @@ from jopd.losses.masks import masked_max, masked_mean, masked_sum
 # Log-ratios are clipped before exp so a token the sampler gave ~0 probability cannot overflow the metrics;
 # e^20 is far outside any truncation cap or IcePop band, so the weights themselves are unaffected.
 _MAX_LOG_RATIO = 20.0
+
+
+def _array_module(*arrays):
+    """jax.numpy when any input is a JAX array (or a tracer), else numpy (which keeps float64)."""
+    return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+
+
+def effective_sample_size(sum_r: Float[Array | np.ndarray, "*S"], sum_r2: Float[Array | np.ndarray, "*S"],
+                          n: Float[Array | np.ndarray, "*S"]) -> Float[Array | np.ndarray, "*S"]:
+    """ESS = (sum r)^2 / (n sum r^2) of n importance ratios from their sums: the effective sample size fraction
+    of the IS weights, in (0, 1]; 1 iff all ratios are equal, and 1 when there are none (sum r^2 = 0)."""
+    xp = _array_module(sum_r, sum_r2, n)
+    return xp.where(sum_r2 > 0, sum_r * sum_r / (n * xp.maximum(sum_r2, 1e-30)), 1.0)
+
+
+def mismatch_terms_BxT(sampler_logprobs_BxT: Float[Array | np.ndarray, "B T"],
+                       trainer_logprobs_BxT: Float[Array | np.ndarray, "B T"],
+                       mask_BxT: Bool[Array | np.ndarray, "B T"]) -> dict[str, Float[Array | np.ndarray, "B T"]]:
+    """Per sampled token y ~ q, the terms the mismatch estimators average (0 at masked positions), computed in
+    the inputs' dtype: k1 = log q(y) - log p(y), k3 = r - 1 - log r, abs_dprob = |p(y) - q(y)|, r = p(y)/q(y)
+    and r2 = r^2, with log r clipped to +-20 (`importance_ratio`)."""
+    xp = _array_module(sampler_logprobs_BxT, trainer_logprobs_BxT, mask_BxT)
+    log_q, log_p, mask = sampler_logprobs_BxT, trainer_logprobs_BxT, mask_BxT.astype(bool)
+    log_r = xp.where(mask, xp.clip(log_p - log_q, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
+    r = xp.where(mask, xp.exp(log_r), 0.0)
+    return {"k1": -log_r, "k3": xp.expm1(log_r) - log_r,
+            "abs_dprob": xp.where(mask, xp.abs(xp.exp(log_p) - xp.exp(log_q)), 0.0), "r": r, "r2": r * r}
 
 
 def importance_ratio(trainer_logprobs_BxT: Float[Array, "B T"], sampler_logprobs_BxT: Float[Array, "B T"]
@@ -40,7 +71,7 @@ def is_metrics(ratio_BxT: Float[Array, "B T"], weights_BxT: Float[Array, "B T"],
                mode: str, *, cap: float, low: float, high: float) -> dict[str, jax.Array]:
     """Fractions truncated / dropped and the normalized effective sample size of the raw ratios.
 
-    ESS = (sum r)^2 / (n sum r^2) over the n unmasked tokens, in (0, 1]; 1 iff all ratios are equal.
+    ESS: `effective_sample_size` over the n unmasked tokens.
     """
     n = jnp.maximum(jnp.sum(mask_BxT), 1).astype(ratio_BxT.dtype)
     s1, s2 = masked_sum(ratio_BxT, mask_BxT), masked_sum(ratio_BxT * ratio_BxT, mask_BxT)
@@ -51,7 +82,7 @@ def is_metrics(ratio_BxT: Float[Array, "B T"], weights_BxT: Float[Array, "B T"],
     return {
         "is_ratio_mean": s1 / n,
         "is_weight_mean": masked_mean(weights_BxT, mask_BxT),
-        "is_ess": jnp.where(s2 > 0, s1 * s1 / (n * jnp.maximum(s2, 1e-30)), 1.0),
+        "is_ess": effective_sample_size(s1, s2, n),
         "is_frac_truncated": truncated,
         "is_frac_dropped": dropped,
     }
@@ -60,23 +91,20 @@ def is_metrics(ratio_BxT: Float[Array, "B T"], weights_BxT: Float[Array, "B T"],
 def mismatch_estimators(sampler_logprobs_BxT: Float[Array, "B T"], trainer_logprobs_BxT: Float[Array, "B T"],
                         mask_BxT: Bool[Array, "B T"]) -> dict[str, jax.Array]:
     """Estimators of the mismatch KL(q || p) from the sampled tokens y ~ q alone (log q(y) from the sampler,
-    log p(y) from the trainer, same temperature), over the masked tokens: k1 = mean(log q - log p) (unbiased,
-    any sign per token); k3 = mean(r - 1 - log r), r = p/q (unbiased, >= 0 per token); mean / max |p(y) - q(y)|;
-    ess = (sum r)^2 / (n sum r^2), the effective sample size fraction of the IS weights, in (0, 1]."""
+    log p(y) from the trainer, same temperature), over the masked tokens (`mismatch_terms_BxT`, fp32):
+    k1 = mean(log q - log p) (unbiased, any sign per token); k3 = mean(r - 1 - log r), r = p/q (unbiased, >= 0
+    per token); mean / max |p(y) - q(y)|; ess = `effective_sample_size` of the IS weights, in (0, 1]."""
     log_q = jax.lax.stop_gradient(sampler_logprobs_BxT).astype(jnp.float32)
     log_p = jax.lax.stop_gradient(trainer_logprobs_BxT).astype(jnp.float32)
     mask = mask_BxT.astype(bool)
-    log_r = jnp.where(mask, jnp.clip(log_p - log_q, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
-    r = jnp.where(mask, jnp.exp(log_r), 0.0)
-    dprob = jnp.abs(jnp.exp(log_p) - jnp.exp(log_q))
-    s1, s2 = jnp.sum(r), jnp.sum(r * r)
+    t = mismatch_terms_BxT(log_q, log_p, mask)
     n = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
     return {
-        "k1": masked_mean(-log_r, mask),
-        "k3": masked_mean(jnp.expm1(log_r) - log_r, mask),
-        "mean_abs_dprob": masked_mean(dprob, mask),
-        "max_abs_dprob": masked_max(dprob, mask),
-        "ess": jnp.where(s2 > 0, s1 * s1 / (n * jnp.maximum(s2, 1e-30)), 1.0),
+        "k1": masked_mean(t["k1"], mask),
+        "k3": masked_mean(t["k3"], mask),
+        "mean_abs_dprob": masked_mean(t["abs_dprob"], mask),
+        "max_abs_dprob": masked_max(t["abs_dprob"], mask),
+        "ess": effective_sample_size(jnp.sum(t["r"]), jnp.sum(t["r2"]), n),
     }
 
 
