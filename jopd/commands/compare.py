@@ -129,6 +129,7 @@ def run_rl(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from jopd.lab import quality as q
+    from jopd.lab.runs import mean_mismatch, read_eval
 
     if args.rl:
         return run_rl(args)
@@ -139,11 +140,11 @@ def run(args: argparse.Namespace) -> int:
     run_dirs, base_dirs = [args.run_dir, *args.run_also], [args.base_dir, *args.base_also]
     for w in q.check_comparable(run_dirs, base_dirs, args.eval_name):
         print(f"jopd compare: warning: {w}", file=sys.stderr)
-    evals = [q.read_eval(d, args.eval_name) for d in [args.base_dir, *args.base_also, args.run_dir, *args.run_also]]
+    evals = [read_eval(d, args.eval_name) for d in [args.base_dir, *args.base_also, args.run_dir, *args.run_also]]
     _, aligned = q.align(evals)  # every run against the base's problem set: errors say how many are missing
     bases, runs = aligned[:len(base_dirs)], aligned[len(base_dirs):]
     v = q.quality_rule(runs[0], bases[0], args.threshold, args.resamples, args.seed)
-    mm_run, mm_base = q.mean_mismatch(args.run_dir), q.mean_mismatch(args.base_dir)
+    mm_run, mm_base = mean_mismatch(args.run_dir), mean_mismatch(args.base_dir)
     print(_table(v, args.eval_name, args.run_dir, args.base_dir, mm_run, mm_base))
     result = {"run_dir": args.run_dir, "base_dir": args.base_dir, "eval": args.eval_name,
               "run_eval": str(evals[len(base_dirs)].path), "base_eval": str(evals[0].path),

@@ -55,30 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
 
 
-def _verdict(run_dir: str, bases: dict, first: str, q) -> str:
-    from jopd.lab import quality
-
-    cfg = quality.read_run_config(run_dir) or {}
-    base = bases.get((cfg.get("train") or {}).get("seed"), first)
-    _, r, b = quality.pair(quality.read_eval(run_dir, q.eval), quality.read_eval(base, q.eval))
-    return quality.quality_rule(r, b, q.threshold, q.resamples, q.seed).verdict
-
-
 def run(args: argparse.Namespace) -> int:
-    from jopd.lab import quality
-    from jopd.lab.runs import run_config
-    from jopd.lab.screen import screen
+    from jopd.lab.screen import calibration_from_runs, screen
     from jopd.opd.run_config import load_config
 
     spec = build(ScreenFile, read_yaml_mapping(args.screen), where=Path(args.screen).name)
-    bases = {((quality.read_run_config(d) or {}).get("train") or {}).get("seed"): d for d in spec.baseline}
-    cal, configs, in_run = [], {}, {}
-    for d in spec.calibration:
-        cal.append({"label": d, "setup": d, "verdict": _verdict(d, bases, spec.baseline[0], spec.quality)})
-        configs[d] = run_config(d)
-        mm = quality.mean_mismatch(d)
-        if mm is not None:
-            in_run[d] = mm
+    cal, configs, in_run = calibration_from_runs(spec.baseline, spec.calibration, spec.quality)
     if spec.scale == "in_run":
         missing = [d for d in spec.calibration if d not in in_run]
         if missing:

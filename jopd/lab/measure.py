@@ -11,30 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import jax
 import numpy as np
-from scipy import stats
+from jaxtyping import Bool, Float
 from tqdm.auto import tqdm
 
 from jopd.lab.mismatch import position_mismatch
+from jopd.lab.stats import Estimate, estimate
+from jopd.losses.is_correction import effective_sample_size, mismatch_terms_BxT
 from jopd.parallel.distributed import gather_to_host
 
 # Per-row sums the statistics are ratios of (one row = one prompt's response).
 _SUMS = ("n", "kl", "k1", "k3", "dprob", "r", "r2")
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    mean: float
-    ci_low: float
-    ci_high: float
-
-    def to_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -51,8 +44,7 @@ class MismatchReport:
     wall_s: float
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        return d
+        return dataclasses.asdict(self)
 
     def table(self) -> str:
         rows = [("exact KL(sampler || trainer)", self.exact_kl, "nats/token"), ("k1", self.k1, "nats/token"),
@@ -65,17 +57,17 @@ class MismatchReport:
         return "\n".join(lines)
 
 
-def row_sums(exact_kl_BxN, trainer_logprobs_BxN, sampler_logprobs_BxN, mask_BxN) -> dict[str, np.ndarray]:
-    """Per-row sums over the real response tokens, in float64, and the per-row max |Δprob|."""
+def mismatch_row_sums(sampler_logprobs_BxN: Float[np.ndarray, "B N"], trainer_logprobs_BxN: Float[np.ndarray, "B N"],
+                      mask_BxN: Bool[np.ndarray, "B N"], exact_kl_BxN: Float[np.ndarray, "B N"]
+                      ) -> dict[str, np.ndarray]:
+    """Per row, over its real response tokens, in float64: the token count, the sums of the exact KL and of the
+    sampled-token terms (`jopd.losses.is_correction.mismatch_terms_BxT`, the step's own), and the max |Δprob|."""
     m = np.asarray(mask_BxN, bool)
-    log_p = np.asarray(trainer_logprobs_BxN, np.float64)
-    log_q = np.asarray(sampler_logprobs_BxN, np.float64)
-    log_r = np.where(m, np.clip(log_p - log_q, -20.0, 20.0), 0.0)
-    r = np.where(m, np.exp(log_r), 0.0)
-    dprob = np.where(m, np.abs(np.exp(log_p) - np.exp(log_q)), 0.0)
+    t = mismatch_terms_BxT(np.asarray(sampler_logprobs_BxN, np.float64), np.asarray(trainer_logprobs_BxN, np.float64),
+                           m)
     return {"n": m.sum(1).astype(np.float64), "kl": np.where(m, np.asarray(exact_kl_BxN, np.float64), 0.0).sum(1),
-            "k1": (-log_r).sum(1), "k3": np.where(m, np.expm1(log_r) - log_r, 0.0).sum(1), "dprob": dprob.sum(1),
-            "r": r.sum(1), "r2": (r * r).sum(1), "max_dprob": dprob.max(1, initial=0.0)}
+            "k1": t["k1"].sum(1), "k3": t["k3"].sum(1), "dprob": t["abs_dprob"].sum(1), "r": t["r"].sum(1),
+            "r2": t["r2"].sum(1), "max_dprob": t["abs_dprob"].max(1, initial=0.0)}
 
 
 def _ratio(num: str):
@@ -83,17 +75,8 @@ def _ratio(num: str):
 
 
 def _ess(*cols, axis=-1):
-    r, r2, n = cols[_SUMS.index("r")].sum(axis), cols[_SUMS.index("r2")].sum(axis), cols[0].sum(axis)
-    return r * r / (n * r2)
-
-
-def _estimate(data: tuple[np.ndarray, ...], statistic, resamples: int, seed: int) -> Estimate:
-    value = float(statistic(*data))
-    if len(data[0]) < 2 or np.ptp(statistic(*(d[:, None] for d in data), axis=-1)) == 0:
-        return Estimate(value, value, value)  # one row, or every row alike: nothing to resample
-    res = stats.bootstrap(data, statistic, paired=True, vectorized=True, n_resamples=resamples,
-                          method="percentile", random_state=seed)
-    return Estimate(value, float(res.confidence_interval.low), float(res.confidence_interval.high))
+    col = lambda name: cols[_SUMS.index(name)].sum(axis)  # noqa: E731
+    return effective_sample_size(col("r"), col("r2"), col("n"))
 
 
 def summarize(rows: dict[str, np.ndarray], batch_kl: list[float], wall_s: float, *, resamples: int = 2000,
@@ -103,12 +86,8 @@ def summarize(rows: dict[str, np.ndarray], batch_kl: list[float], wall_s: float,
     if n.sum() == 0:
         raise ValueError("mismatch: the sampled responses hold no tokens (nothing to measure)")
     keep = n > 0
-    data = tuple(rows[k][keep] for k in _SUMS)
-    est = functools.partial(_estimate, data, resamples=resamples, seed=seed)
-    max_rows = rows["max_dprob"][keep]
-    max_ci = stats.bootstrap((max_rows,), np.max, n_resamples=resamples, method="percentile",
-                             random_state=seed).confidence_interval if len(max_rows) > 1 and np.ptp(max_rows) else None
-    max_est = Estimate(float(max_rows.max()), *(map(float, max_ci) if max_ci else (max_rows.max(),) * 2))
+    est = functools.partial(estimate, tuple(rows[k][keep] for k in _SUMS), resamples=resamples, seed=seed)
+    max_est = estimate((rows["max_dprob"][keep],), np.max, resamples=resamples, seed=seed)
     return MismatchReport(n_prompts=int(keep.sum()), n_tokens=int(n.sum()), exact_kl=est(_ratio("kl")),
                           k1=est(_ratio("k1")), k3=est(_ratio("k3")), mean_abs_dprob=est(_ratio("dprob")),
                           max_abs_dprob=max_est, ess=est(_ess), batch_exact_kl=batch_kl, wall_s=wall_s)
@@ -132,10 +111,25 @@ def measure(run, state, batches: Iterable[dict[str, np.ndarray]], *, first_step:
             rollout = step.rollout(state, batch, first_step + i)
             terms = fn(state.params, rollout.prompt_BxP, rollout.prompt_mask_BxP, rollout.sample)
         sampler_lp = rollout.sample.unprocessed_logprobs_BxN
-        rows = row_sums(*gather_to_host((terms["exact_kl_BxN"], terms["trainer_logprobs_BxN"], sampler_lp,
-                                         terms["response_mask_BxN"])))  # all processes' rows, on every host
+        rows = mismatch_row_sums(*gather_to_host((sampler_lp, terms["trainer_logprobs_BxN"], terms["response_mask_BxN"],
+                                                  terms["exact_kl_BxN"])))  # all processes' rows, on every host
         sums.append(rows)
         batch_kl.append(float(rows["kl"].sum() / max(rows["n"].sum(), 1.0)))
     wall = time.perf_counter() - t0
     merged = {k: np.concatenate([s[k] for s in sums]) for k in sums[0]}
     return summarize(merged, batch_kl, wall, resamples=resamples, seed=seed)
+
+
+def measure_config(cfg, checkpoint: str | None = None, step: int | None = None, batches: int = 4,
+                   resamples: int = 2000, log=print) -> tuple[MismatchReport, int]:
+    """(report, student step) for a RunConfig: build its run, take the student from `checkpoint` (a checkpoint
+    directory or RUN_DIR; None: the config's starting student, step 0), measure on its first `batches` training
+    batches of prompts."""
+    from jopd.data.pipeline import train_iterator
+    from jopd.lab.runs import build_at_checkpoint
+
+    run, state, at = build_at_checkpoint(cfg, checkpoint, step, log=log)
+    it = train_iterator(cfg.data, run.tokenizer, kind="prompt")
+    report = measure(run, state, [next(it) for _ in range(batches)], resamples=resamples,
+                     progress=sys.stderr.isatty())
+    return report, 0 if at is None else at

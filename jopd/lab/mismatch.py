@@ -1,7 +1,8 @@
 """Rollout/trainer **mismatch** (docs/architecture.md, "Definitions"): the exact full-vocabulary
 KL(sampler's next-token distribution q ‖ trainer's p) at the same temperature on the positions the sampler
-visited. The cheap estimators from the sampled tokens alone (k1, k3, |Δprob|, IS effective sample size) are
-`jopd.losses.is_correction.mismatch_estimators`, re-exported here; the train step logs both.
+visited, here from a rollout and the trainer's forward. The KL itself (`exact_kl_BxT`) and the cheap estimators
+from the sampled tokens alone (k1, k3, |Δprob|, IS effective sample size: `mismatch_estimators`) are
+`jopd.losses.is_correction`'s, re-exported here; the train step logs both.
 
 Pure functions over arrays (jit-able); the caller supplies the masks of real response tokens.
 """
@@ -44,9 +45,9 @@ def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Ar
 def position_mismatch(params, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"], sample: SampleOutput,
                       *, model_cfg: ModelConfig, temperature: float, chunk: int = 128) -> dict[str, jax.Array]:
     """Per response position, the trainer's view of a rollout: exact KL(sampler ‖ trainer) over the full
-    vocabulary (needs the sampler's full log-softmax, `SamplingConfig.return_full_logprobs`) and the trainer's
-    log-prob of the sampled token, from the trainer's forward over prompt + response (projected chunk by chunk).
-    Returns {"exact_kl_BxN", "trainer_logprobs_BxN", "response_mask_BxN"}."""
+    vocabulary (`exact_kl_BxT`; needs the sampler's full log-softmax, `SamplingConfig.return_full_logprobs`)
+    and the trainer's log-prob of the sampled token, from the trainer's forward over prompt + response
+    (projected chunk by chunk). Returns {"exact_kl_BxN", "trainer_logprobs_BxN", "response_mask_BxN"}."""
     if sample.full_logprobs_BxNxV is None:
         raise ValueError("position_mismatch: the sample has no full log-softmax (sample with return_full_logprobs)")
     layout = sequence_layout(prompt_BxP, prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
@@ -55,11 +56,9 @@ def position_mismatch(params, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bo
 
     def per_chunk(logits_BxCxV, inp):
         log_p = jax.nn.log_softmax(logits_BxCxV / temperature, axis=-1)
-        log_q = inp["log_q"].astype(jnp.float32)
-        q = jnp.exp(log_q)
-        kl = jnp.sum(jnp.where(q > 0, q * (log_q - log_p), 0.0), axis=-1)
         target = jnp.take_along_axis(log_p, inp["targets"][..., None], axis=-1)[..., 0]
-        return {"exact_kl_BxN": kl, "trainer_logprobs_BxN": target}
+        return {"exact_kl_BxN": exact_kl_BxT(inp["log_q"], logits_BxCxV, temperature),
+                "trainer_logprobs_BxN": target}
 
     out = chunked_logits_map(per_chunk, params, hidden, {"log_q": sample.full_logprobs_BxNxV,
                                                          "targets": layout.targets_BxN}, chunk, remat=False)

@@ -30,8 +30,9 @@ that before anyone trusts the signal:
    one) and the **teacher's own** sampled response.
 
 Rates are means over prefixes with 95% percentile-bootstrap CIs over prefixes (`scipy.stats.bootstrap`).
-`probe(run, student_params, problems)` is the whole measurement, so a training hook can call it on a small fixed
-set; `continue_fn` replaces the teacher's continuation (tests use an oracle that writes the right solution).
+`probe(run, student_params, problems)` is the whole measurement, so a training hook (`training_probe`, which
+`jopd train` hands to the loop for `train.probe_every`) calls it on a small fixed set; `continue_fn` replaces the
+teacher's continuation (tests use an oracle that writes the right solution).
 The rates, the verdict and the files are built in `jopd.lab.probe_report`.
 """
 
@@ -51,10 +52,11 @@ from jopd.data.answers import extract_answer, is_correct, parse_number
 from jopd.data.arithmetic_steps import (check_response, fraction_cuts, local_violations, parse_reference,
                                        prefix_char_lengths, token_at_char)
 from jopd.data.chat import prompt_ids, prompt_response_ids
+from jopd.data.pipeline import load_problems
 from jopd.data.problem import Problem
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.lab.probe_report import (  # noqa: F401  (some re-exported: the probe's public names)
-    AGREEMENT_WARNING, FOLLOWS, OUTCOMES, SET_LABELS, SETS, ProbeReport, estimate, position_key, set_summary,
+    AGREEMENT_WARNING, FOLLOWS, OUTCOMES, SET_LABELS, SETS, ProbeReport, position_key, set_summary,
     training_metrics, verdict)
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
@@ -476,3 +478,11 @@ def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOpt
                        positions=sorted({p.position for p in prefixes}, key=position_key), verdict=line,
                        warning=warn, rows=rows, settings=settings)
 
+
+def training_probe(run) -> Callable[[Any], dict[str, float]]:
+    """`train.probe_every`'s measurement, the probe hook of `jopd.opd.loop.train`: student params -> the probe's
+    `training_metrics`, on problems fixed for the run (the first `train.probe_problems` held-out ones)."""
+    tc = run.cfg.train
+    problems = list(load_problems(run.cfg.data, "heldout"))[: tc.probe_problems]
+    options = ProbeOptions(samples=tc.probe_samples, resamples=200, progress=False)
+    return lambda params: training_metrics(probe(run, params, problems, options=options))

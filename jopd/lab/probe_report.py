@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
-from jopd.lab.measure import Estimate
+from jopd.lab.stats import Estimate, mean_estimate
 
 SETS = ("student_error", "reference", "teacher_own")
 SET_LABELS = {"student_error": "student's erroneous prefixes", "reference": "correct prefixes (reference)",
@@ -28,19 +27,6 @@ def position_key(label: str) -> float:
     if label == "answer":
         return 1e9
     return float(label.rstrip("%").removeprefix("step "))
-
-
-def estimate(x: np.ndarray, resamples: int, seed: int = 0) -> Estimate:
-    """Mean of x with a 95% percentile-bootstrap CI (degenerate when fewer than 2 rows or all equal)."""
-    x = np.asarray(x, np.float64)
-    if len(x) == 0:
-        return Estimate(float("nan"), float("nan"), float("nan"))
-    value = float(x.mean())
-    if len(x) < 2 or np.ptp(x) == 0:
-        return Estimate(value, value, value)
-    ci = stats.bootstrap((x,), np.mean, n_resamples=resamples, method="percentile", random_state=seed,
-                         vectorized=True).confidence_interval
-    return Estimate(value, float(ci.low), float(ci.high))
 
 
 def _fmt(e: Estimate) -> str:
@@ -162,16 +148,16 @@ class ProbeReport:
 
 def _rates(values_NxM: np.ndarray, resamples: int) -> dict[str, dict[str, float]]:
     """The three outcome rates (columns 0-2), and `follows_error` (column 3) where it was measured."""
-    out = {o: estimate(values_NxM[:, k], resamples).to_dict() for k, o in enumerate(OUTCOMES)}
+    out = {o: mean_estimate(values_NxM[:, k], resamples).to_dict() for k, o in enumerate(OUTCOMES)}
     if values_NxM.shape[1] > len(OUTCOMES) and not np.isnan(values_NxM[:, len(OUTCOMES)]).any():
-        out[FOLLOWS] = estimate(values_NxM[:, len(OUTCOMES)], resamples).to_dict()
+        out[FOLLOWS] = mean_estimate(values_NxM[:, len(OUTCOMES)], resamples).to_dict()
     return out
 
 
 def _recognition_summary(rec: dict[str, np.ndarray], resamples: int) -> dict[str, Any]:
-    return {"p_token": estimate(rec["p_token"], resamples).to_dict(),
-            "p_top": estimate(rec["p_top"], resamples).to_dict(),
-            "top1": estimate(rec["rank"] == 1, resamples).to_dict(),
+    return {"p_token": mean_estimate(rec["p_token"], resamples).to_dict(),
+            "p_top": mean_estimate(rec["p_top"], resamples).to_dict(),
+            "top1": mean_estimate(rec["rank"] == 1, resamples).to_dict(),
             "median_rank": float(np.median(rec["rank"])) if len(rec["rank"]) else float("nan")}
 
 

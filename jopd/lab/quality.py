@@ -1,8 +1,8 @@
 """The **quality rule**: did a run's held-out teacher divergence rise against its baseline run at the same step?
 
-Per problem, the held-out eval (`RUN_DIR/eval/NAME.csv`, written by `jopd train` / `jopd eval`) holds the
-student's mean per-token KL(student ‖ teacher) over its response. Two runs evaluated on the same problems under
-the study's fixed eval seed are compared problem by problem:
+Per problem, the held-out eval (`RUN_DIR/eval/NAME.csv`, written by `jopd train` / `jopd eval`, read by
+`jopd.lab.runs.read_eval`) holds the student's mean per-token KL(student ‖ teacher) over its response. Two runs
+evaluated on the same problems under the study's fixed eval seed are compared problem by problem:
 
 - rise = mean(run) / mean(base) − 1;
 - a paired bootstrap interval of the mean per-problem difference (run − base);
@@ -17,83 +17,15 @@ Pure numpy/scipy (no jax), so the lab's summaries run anywhere.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import scipy.stats
-import yaml
 
-CI_METHOD = "percentile"
-_BATCH = 2000  # bootstrap resamples held in memory at once
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalData:
-    """One run's held-out eval: problem ids and per-problem teacher divergence (nats/token), file order."""
-
-    path: Path
-    index: np.ndarray  # [n] int problem ids, unique
-    divergence: np.ndarray  # [n] float64
-
-
-def eval_path(run_dir: str | Path, name: str) -> Path:
-    return Path(run_dir) / "eval" / f"{name}.csv"
-
-
-def read_eval(run_dir: str | Path, name: str = "after") -> EvalData:
-    """Reads `RUN_DIR/eval/NAME.csv` (header `index,teacher_divergence,...`); every error names the file."""
-    path = eval_path(run_dir, name)
-    if not path.is_file():
-        if not Path(run_dir).is_dir():
-            raise FileNotFoundError(f"{run_dir}: no such run directory")
-        have = sorted(p.stem for p in (Path(run_dir) / "eval").glob("*.csv"))
-        hint = f" (this run has: {', '.join(have)})" if have else " (this run has no eval/*.csv)"
-        raise FileNotFoundError(f"{path}: no such eval file{hint}")
-    index: list[int] = []
-    div: list[float] = []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        try:
-            header = reader.fieldnames
-        except csv.Error as e:
-            raise ValueError(f"{path}: malformed CSV ({e})") from None
-        if not header:
-            raise ValueError(f"{path}: empty file (expected a header with index,teacher_divergence)")
-        missing = [c for c in ("index", "teacher_divergence") if c not in header]
-        if missing:
-            raise ValueError(f"{path}: header lacks column(s) {', '.join(missing)} (got {','.join(header)})")
-        try:
-            for row in reader:
-                line = reader.line_num
-                raw_i, raw_d = row.get("index"), row.get("teacher_divergence")
-                if raw_i is None or raw_d is None:
-                    raise ValueError(f"{path}:{line}: too few fields")
-                try:
-                    i = int(raw_i)
-                except ValueError:
-                    raise ValueError(f"{path}:{line}: index {raw_i!r} is not an integer") from None
-                try:
-                    d = float(raw_d)
-                except ValueError:
-                    raise ValueError(f"{path}:{line}: teacher_divergence {raw_d!r} is not a number") from None
-                if not math.isfinite(d):
-                    raise ValueError(f"{path}:{line}: teacher_divergence is {raw_d} for problem {i}")
-                index.append(i)
-                div.append(d)
-        except csv.Error as e:
-            raise ValueError(f"{path}:{reader.line_num}: malformed CSV ({e})") from None
-    if not index:
-        raise ValueError(f"{path}: no problems (header only)")
-    idx = np.asarray(index, np.int64)
-    uniq, counts = np.unique(idx, return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(f"{path}: problem index {int(uniq[counts > 1][0])} appears {int(counts.max())} times")
-    return EvalData(path, idx, np.asarray(div, np.float64))
+from jopd.lab.runs import EvalData, config_field, read_run_config
+from jopd.lab.stats import CI_METHOD, RESAMPLE_BATCH, mean_difference_ci
 
 
 def _ids(ids: np.ndarray, k: int = 5) -> str:
@@ -101,9 +33,10 @@ def _ids(ids: np.ndarray, k: int = 5) -> str:
     return shown + (", ..." if len(ids) > k else "")
 
 
-def align(evals: Sequence[EvalData]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(sorted problem ids, each eval's divergences in that order). Every eval must hold exactly the problems
-    of the first: otherwise a ValueError says how many are missing from each side (never a silent subset)."""
+def align(evals: Sequence[EvalData], column: str = "divergence") -> tuple[np.ndarray, list[np.ndarray]]:
+    """(sorted problem ids, each eval's `column` (divergence, or correct) in that order). Every eval must hold
+    exactly the problems of the first: otherwise a ValueError says how many are missing from each side (never a
+    silent subset)."""
     if not evals:
         raise ValueError("align: no evals given")
     ref = evals[0]
@@ -119,13 +52,13 @@ def align(evals: Sequence[EvalData]) -> tuple[np.ndarray, list[np.ndarray]]:
                 + f", and {len(only_e)} of the {len(e.index)} in {e.path} are missing from {ref.path}"
                 + (f" (ids {_ids(only_e)})" if len(only_e) else "")
                 + "; evaluate both runs on the same problems (same train.eval_problems)")
-        out.append(e.divergence[np.argsort(e.index)])
+        out.append(getattr(e, column)[np.argsort(e.index)])
     return ids, out
 
 
-def pair(run: EvalData, base: EvalData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(problem ids, run divergences, base divergences), paired by problem id; see `align` for the errors."""
-    ids, (b, r) = align([base, run])
+def pair(run: EvalData, base: EvalData, column: str = "divergence") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(problem ids, run values, base values) of `column`, paired by problem id; see `align` for the errors."""
+    ids, (b, r) = align([base, run], column)
     return ids, r, b
 
 
@@ -190,10 +123,9 @@ def quality_rule(run_B: np.ndarray, base_B: np.ndarray, threshold: float = 0.2, 
                  seed: int = 0, confidence: float = 0.95) -> QualityVerdict:
     """The per-run quality rule on per-problem divergences already paired (same order, same problems).
 
-    CI: `scipy.stats.bootstrap(paired=True, method="percentile")` on (run_B, base_B) with the statistic
-    mean(run) − mean(base) = mean of the paired differences, `resamples` resamples, rng seeded by `seed`.
-    Percentile rather than BCa: the statistic is a mean over hundreds of problems (close to normal), and the
-    percentile interval stays defined for degenerate data (all differences equal -> [d, d]).
+    CI: `jopd.lab.stats.mean_difference_ci` (scipy's paired percentile bootstrap) of mean(run) − mean(base) =
+    the mean of the paired differences, `resamples` resamples, rng seeded by `seed`; all differences equal ->
+    [d, d].
     FAIL iff rise >= threshold and the CI excludes 0 (ci_low > 0 or ci_high < 0).
     """
     run_B, base_B = np.asarray(run_B, np.float64), np.asarray(base_B, np.float64)
@@ -202,14 +134,11 @@ def quality_rule(run_B: np.ndarray, base_B: np.ndarray, threshold: float = 0.2, 
     run_mean, base_mean = float(run_B.mean()), float(base_B.mean())
     if base_mean <= 0:
         raise ValueError(f"base: mean teacher divergence is {base_mean:.6g}; the rise is undefined unless it is > 0")
-    res = scipy.stats.bootstrap((run_B, base_B), lambda r, b, axis=-1: r.mean(axis) - b.mean(axis), paired=True,
-                                vectorized=True, n_resamples=int(resamples), batch=_BATCH,
-                                confidence_level=confidence, method=CI_METHOD, rng=np.random.default_rng(seed))
-    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    lo, hi, se = mean_difference_ci(run_B, base_B, resamples=resamples, seed=seed, confidence=confidence)
     rise = run_mean / base_mean - 1
     verdict, reason = _judge(rise, lo, hi, threshold, confidence)
     return QualityVerdict(n=n, run_mean=run_mean, base_mean=base_mean, rise=rise, diff_mean=run_mean - base_mean,
-                          ci_low=lo, ci_high=hi, se=float(res.standard_error), threshold=float(threshold),
+                          ci_low=lo, ci_high=hi, se=se, threshold=float(threshold),
                           confidence=float(confidence), resamples=int(resamples), verdict=verdict, reason=reason)
 
 
@@ -257,8 +186,8 @@ def hierarchical_replicates(runs_SxN: np.ndarray, bases_SxN: np.ndarray, resampl
     rng = np.random.default_rng(seed)
     n = runs_SxN.shape[1]
     out_r, out_b = [], []
-    for start in range(0, resamples, _BATCH):
-        m = min(_BATCH, resamples - start)
+    for start in range(0, resamples, RESAMPLE_BATCH):
+        m = min(RESAMPLE_BATCH, resamples - start)
         w_prob = rng.multinomial(n, np.full(n, 1 / n), size=m) / n  # [m, n] problem weights
         w_run = rng.multinomial(len(runs_SxN), np.full(len(runs_SxN), 1 / len(runs_SxN)), size=m) / len(runs_SxN)
         w_base = rng.multinomial(len(bases_SxN), np.full(len(bases_SxN), 1 / len(bases_SxN)), size=m) / len(bases_SxN)
@@ -322,25 +251,6 @@ def seed_aware_rule(runs: Sequence[np.ndarray], bases: Sequence[np.ndarray], thr
         per_run_fails=fails, disagree=any(p["verdict"] != verdict for p in pairs))
 
 
-def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
-    """`RUN_DIR/config.yaml` (the resolved run config `jopd train` writes), or None when absent."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        return None
-    try:
-        cfg = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a mapping of config sections")
-    return cfg
-
-
-def _train_field(cfg: dict[str, Any] | None, key: str) -> Any:
-    train = (cfg or {}).get("train")
-    return train.get(key) if isinstance(train, dict) else None
-
-
 def check_comparable(run_dirs: Sequence[str | Path], base_dirs: Sequence[str | Path], eval_name: str) -> list[str]:
     """Checks, from the runs' config.yaml where present, that the comparison means what it says.
 
@@ -356,8 +266,9 @@ def check_comparable(run_dirs: Sequence[str | Path], base_dirs: Sequence[str | P
             raise ValueError(f"{d}: the same run directory is given twice (as {seen[key]} too)")
         seen[key] = d
     cfgs = {d: read_run_config(d) for d in dirs}
+    train = lambda d, key: config_field(cfgs[d], "train", key)  # noqa: E731
     if eval_name == "after":
-        steps = {d: _train_field(c, "steps") for d, c in cfgs.items() if _train_field(c, "steps") is not None}
+        steps = {d: train(d, "steps") for d in cfgs if train(d, "steps") is not None}
         if len(set(steps.values())) > 1:
             (d1, s1), (d2, s2) = next((a, b) for a in steps.items() for b in steps.items() if a[1] != b[1])
             raise ValueError(f"{d1}/config.yaml has train.steps={s1} but {d2}/config.yaml has {s2}: their 'after' "
@@ -365,42 +276,15 @@ def check_comparable(run_dirs: Sequence[str | Path], base_dirs: Sequence[str | P
     for side in (run_dirs, base_dirs):
         by_seed: dict[Any, Path] = {}
         for d in map(Path, side):
-            s = _train_field(cfgs[d], "seed")
+            s = train(d, "seed")
             if s is None:
                 continue
             if s in by_seed:
                 raise ValueError(f"{d}/config.yaml and {by_seed[s]}/config.yaml have the same train.seed={s}: "
                                  f"not two training seeds")
             by_seed[s] = d
-    eval_seeds = {_train_field(c, "eval_seed") for c in cfgs.values() if _train_field(c, "eval_seed") is not None}
+    eval_seeds = {train(d, "eval_seed") for d in cfgs if train(d, "eval_seed") is not None}
     if len(eval_seeds) > 1:
         return [f"the runs' train.eval_seed differ ({', '.join(map(str, sorted(eval_seeds)))}): problems are "
                 f"paired, but their sampling draws are not"]
     return []
-
-
-def step_rows(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """The training rows of `RUN_DIR/metrics.jsonl` by step (eval rows, whose keys are all `eval/...`, left out);
-    the last line of a step wins, so a resumed run's repeated steps count once. Missing file: {}."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    rows: dict[int, dict[str, Any]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if isinstance(row, dict) and "step" in row and any(k != "step" and not k.startswith("eval/") for k in row):
-            rows[int(row["step"])] = row
-    return rows
-
-
-def mean_mismatch(run_dir: str | Path) -> float | None:
-    """Mean of `mismatch_kl` over the training steps logged in `RUN_DIR/metrics.jsonl` (`step_rows`); None when
-    absent or never logged."""
-    vals = [float(r["mismatch_kl"]) for r in step_rows(run_dir).values()
-            if isinstance(r.get("mismatch_kl"), (int, float)) and math.isfinite(r["mismatch_kl"])]
-    return float(np.mean(vals)) if vals else None

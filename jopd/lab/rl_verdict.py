@@ -16,24 +16,21 @@ A run BROKE iff either
 
 Otherwise OK. The interval is over problems only (not training seeds), as in the quality rule.
 
-Pure numpy (no jax): reads the files `jopd train` writes, so it runs anywhere.
+Pure numpy (no jax): reads the files `jopd train` writes (`jopd.lab.runs`), so it runs anywhere.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jaxtyping import Float
 
 from jopd.lab import quality as q
-
-_BATCH = 2000  # bootstrap resamples held in memory at once
+from jopd.lab.runs import config_field, read_eval, read_run_config, training_rows
+from jopd.lab.stats import mean_difference_ci
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,63 +59,6 @@ class Criterion:
 
 
 @dataclasses.dataclass(frozen=True)
-class Correctness:
-    """One run's held-out eval: problem ids and per-problem correctness (0/1), file order."""
-
-    path: Path
-    index: np.ndarray  # [n] int64, unique
-    correct: np.ndarray  # [n] float64 in {0, 1}
-
-
-def _bool(raw: str, path: Path, line: int) -> float:
-    v = raw.strip().lower()
-    if v in ("true", "1", "1.0"):
-        return 1.0
-    if v in ("false", "0", "0.0"):
-        return 0.0
-    raise ValueError(f"{path}:{line}: correct {raw!r} is not a boolean")
-
-
-def read_correctness(run_dir: str | Path, name: str = "after") -> Correctness:
-    """`RUN_DIR/eval/NAME.csv` -> per-problem correctness (the `correct` column `EvalResult.save` writes)."""
-    path = q.eval_path(run_dir, name)
-    q.read_eval(run_dir, name)  # the same file checks as the quality rule (exists, header, ids unique)
-    index, correct = [], []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if "correct" not in (reader.fieldnames or []):
-            raise ValueError(f"{path}: header lacks column correct (got {','.join(reader.fieldnames or [])})")
-        for row in reader:
-            index.append(int(row["index"]))
-            correct.append(_bool(row["correct"] or "", path, reader.line_num))
-    return Correctness(path, np.asarray(index, np.int64), np.asarray(correct, np.float64))
-
-
-def paired(run: Correctness, base: Correctness) -> tuple[np.ndarray, np.ndarray]:
-    """(run, base) correctness on the same problems, sorted by id; differing problem sets are an error."""
-    for a, b in ((run, base), (base, run)):
-        missing = np.setdiff1d(a.index, b.index)
-        if len(missing):
-            raise ValueError(f"problem sets differ: {len(missing)} of the {len(a.index)} problems in {a.path} are "
-                             f"missing from {b.path}; evaluate both runs on the same problems")
-    return run.correct[np.argsort(run.index)], base.correct[np.argsort(base.index)]
-
-
-def paired_bootstrap_ci(diff_N: Float[np.ndarray, "N"], resamples: int, seed: int, confidence: float
-                        ) -> tuple[float, float]:
-    """Percentile interval of the mean of per-problem differences, problems resampled with replacement."""
-    rng = np.random.default_rng(seed)
-    n = len(diff_N)
-    means = []
-    for start in range(0, resamples, _BATCH):
-        idx = rng.integers(0, n, size=(min(_BATCH, resamples - start), n))
-        means.append(diff_N[idx].mean(axis=1))
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(np.concatenate(means), [alpha, 1 - alpha])
-    return float(lo), float(hi)
-
-
-@dataclasses.dataclass(frozen=True)
 class AccuracyCheck:
     n: int
     run_accuracy: float
@@ -136,7 +76,7 @@ def accuracy_check(run_N: np.ndarray, base_N: np.ndarray, c: Criterion) -> Accur
     if len(run_N) < 2 or len(run_N) != len(base_N):
         raise ValueError(f"need >= 2 paired problems, got {len(run_N)} run and {len(base_N)} base")
     diff = run_N - base_N
-    lo, hi = paired_bootstrap_ci(diff, c.resamples, c.seed, c.confidence)
+    lo, hi, _ = mean_difference_ci(run_N, base_N, resamples=c.resamples, seed=c.seed, confidence=c.confidence)
     d, margin = float(diff.mean()), c.acc_margin
     ci = f"{c.confidence:.0%} CI [{lo:+.3f}, {hi:+.3f}]"
     if -d >= margin and hi < 0:
@@ -147,17 +87,6 @@ def accuracy_check(run_N: np.ndarray, base_N: np.ndarray, c: Criterion) -> Accur
         broke, reason = False, f"accuracy {-d:.3f} below the base but the {ci} includes 0"
     return AccuracyCheck(n=len(diff), run_accuracy=float(run_N.mean()), base_accuracy=float(base_N.mean()),
                          diff_mean=d, ci_low=lo, ci_high=hi, margin=margin, broke=broke, reason=reason)
-
-
-def read_training_rows(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The training rows of `RUN_DIR/metrics.jsonl`, one per step, sorted (`quality.step_rows`)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such metrics file (a `jopd train` out_dir has one)")
-    rows = q.step_rows(run_dir)
-    if not rows:
-        raise ValueError(f"{path}: no training rows")
-    return [rows[s] for s in sorted(rows)]
 
 
 def tail_rows(rows: list[dict[str, Any]], fraction: float) -> list[dict[str, Any]]:
@@ -230,17 +159,13 @@ class RLVerdict:
 
 
 def _max_new_tokens(run_dir: str | Path) -> int | None:
-    sampling = (q.read_run_config(run_dir) or {}).get("sampling")
-    v = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+    v = config_field(read_run_config(run_dir), "sampling", "max_new_tokens")
     return int(v) if isinstance(v, int) else None
 
 
 def check_same_method(run_dir: str | Path, base_dir: str | Path) -> None:
     """The base must be the same loss kind (its standard-engine run), when both configs say."""
-    kinds = []
-    for d in (run_dir, base_dir):
-        loss = (q.read_run_config(d) or {}).get("loss")
-        kinds.append(loss.get("kind") if isinstance(loss, dict) else None)
+    kinds = [config_field(read_run_config(d), "loss", "kind") for d in (run_dir, base_dir)]
     if None not in kinds and kinds[0] != kinds[1]:
         raise ValueError(f"{run_dir} trains loss.kind={kinds[0]} but {base_dir} trains {kinds[1]}: the broke "
                          f"criterion compares a method with its own standard-engine run")
@@ -251,9 +176,10 @@ def rl_verdict(run_dir: str | Path, base_dir: str | Path, eval_name: str = "afte
     """The broke criterion of RUN_DIR against BASE_DIR (see the module docstring)."""
     q.check_comparable([run_dir], [base_dir], eval_name)
     check_same_method(run_dir, base_dir)
-    run_N, base_N = paired(read_correctness(run_dir, eval_name), read_correctness(base_dir, eval_name))
+    _, run_N, base_N = q.pair(read_eval(run_dir, eval_name, correctness=True),
+                              read_eval(base_dir, eval_name, correctness=True), "correct")
     acc = accuracy_check(run_N, base_N, criterion)
-    run_rows, base_rows = read_training_rows(run_dir), read_training_rows(base_dir)
+    run_rows, base_rows = training_rows(run_dir), training_rows(base_dir)
     collapse = collapse_check(run_rows, base_rows, _max_new_tokens(run_dir), criterion)
     base_collapse = collapse_check(base_rows, None, _max_new_tokens(base_dir), criterion)
     verdict = "BROKE" if acc.broke or collapse.broke else "OK"

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
+from jopd.lab import quality
+from jopd.lab.measure import measure_config
+from jopd.lab.runs import config_field, mean_mismatch, read_eval, read_run_config, run_config
 from jopd.lab.screening import Calibration, calibrate, count_matches, decide
+from jopd.lab.sweep import run_config as setup_run_config
+from jopd.lab.sweep_config import QualityConfig, SweepConfig
 from jopd.opd.run_config import RunConfig
 
 
@@ -67,14 +74,31 @@ class ScreenReport:
 def measure_setup(name: str, cfg: RunConfig, student: str | None, batches: int, resamples: int,
                   log=print) -> Measured:
     """Offline mismatch of one setup's rollout engine (its config forced to exact mismatch measurement)."""
-    from jopd.commands.mismatch import measure_config
-
     exact = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mismatch="exact"))
     t0 = time.perf_counter()
     report, _ = measure_config(exact, student, None, batches, resamples, log=lambda m: None)
     e = report.exact_kl
     log(f"  {name}: offline mismatch {e.mean:.4g} [{e.ci_low:.4g}, {e.ci_high:.4g}] nats/token")
     return Measured(name, {"mean": e.mean, "ci_low": e.ci_low, "ci_high": e.ci_high}, time.perf_counter() - t0)
+
+
+def calibration_from_runs(baseline: Sequence[str], calibration: Sequence[str], q: QualityConfig
+                          ) -> tuple[list[dict[str, Any]], dict[str, RunConfig], dict[str, float]]:
+    """From full runs on disk, for `screen`: each calibration run's {label, setup, verdict} (the quality rule
+    against the baseline run of its train.seed, else the first baseline run), its config (to re-measure it
+    offline) and its logged mean mismatch (where it logged one)."""
+    by_seed = {config_field(read_run_config(d), "train", "seed"): d for d in baseline}
+    runs, configs, in_run = [], {}, {}
+    for d in calibration:
+        base = by_seed.get(config_field(read_run_config(d), "train", "seed"), baseline[0])
+        _, r, b = quality.pair(read_eval(d, q.eval), read_eval(base, q.eval))
+        runs.append({"label": d, "setup": d, "verdict": quality.quality_rule(r, b, q.threshold, q.resamples,
+                                                                             q.seed).verdict})
+        configs[d] = run_config(d)
+        mm = mean_mismatch(d)
+        if mm is not None:
+            in_run[d] = mm
+    return runs, configs, in_run
 
 
 def screen(calibration_runs: list[dict[str, Any]], candidates: list[tuple[str, RunConfig, list[str]]], *,
@@ -115,3 +139,30 @@ def screen(calibration_runs: list[dict[str, Any]], candidates: list[tuple[str, R
     names = {p["setup"] for p in points} | {name for name, _, _ in candidates}
     return ScreenReport(f"{scale} mismatch, {verdicts} verdicts", cal, points,
                         [m for n, m in measured.items() if n in names], decisions, matches)
+
+
+def screen_sweep(sweep: SweepConfig, result: dict[str, Any], log=print) -> dict[str, ScreenReport]:
+    """A sweep's `screen` section, on its analysis (`sweep_report.analyze`), both ways: per run (every run of a
+    calibration setup is a point, every run of a candidate a check: the seed study's one-run rule) and
+    seed-aware (one point / one check per setup, its verdict over all its seeds). The offline measurements are
+    shared by the two."""
+    sc = sweep.screen
+    configs = {s.name: setup_run_config(sweep, s, s.seeds[0]) for s in sweep.all_setups()}
+    student = None
+    if sc.student == "baseline":
+        student = str(Path(sweep.out_dir) / sweep.baseline.name / f"seed{sweep.baseline.seeds[0]}")
+    in_run = {s["setup"]: s["mismatch"] for s in result["setups"]}
+    setups = {s["setup"]: s for s in result["setups"]}
+    modes = {
+        "per_run": ([{"label": f"{r['setup']}/seed{r['seed']}", "setup": r["setup"], "verdict": r["verdict"]}
+                     for r in result["runs"] if r["setup"] in sc.calibration],
+                    {n: setups[n]["per_run_verdicts"] for n in sc.candidates if n in setups}),
+        "seed_aware": ([{"label": n, "setup": n, "verdict": setups[n]["seed_aware"]["verdict"]}
+                        for n in sc.calibration if n in setups],
+                       {n: [setups[n]["seed_aware"]["verdict"]] for n in sc.candidates if n in setups}),
+    }
+    measured: dict[str, Measured] = {}
+    return {mode: screen(cal, [(n, configs[n], truth.get(n, [])) for n in sc.candidates], student=student,
+                         batches=sc.batches, resamples=sc.resamples, setup_configs=configs, in_run=in_run,
+                         measured=measured, verdicts=mode.replace("_", "-"), log=log)
+            for mode, (cal, truth) in modes.items()}

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from jopd.lab import quality
+from jopd.lab.runs import mean_mismatch, read_eval, read_eval_summary
 from jopd.lab.screening import calibrate
 from jopd.lab.sweep import run_dir
 from jopd.lab.sweep_config import SweepConfig
@@ -21,11 +22,11 @@ from jopd.lab.sweep_config import SweepConfig
 
 def _run_record(sweep: SweepConfig, setup: str, seed: int, method: str | None = None) -> dict[str, Any]:
     d = run_dir(sweep, setup, seed, method)
-    ev = quality.read_eval(d, sweep.quality.eval)
-    mm = quality.mean_mismatch(d)
+    ev = read_eval(d, sweep.quality.eval)
+    mm = mean_mismatch(d)
     if mm is None:
         raise ValueError(f"{d}/metrics.jsonl: no mismatch_kl logged (the sweep runs with train.mismatch=exact)")
-    summary = json.loads((d / "eval" / f"{sweep.quality.eval}.json").read_text())
+    summary = read_eval_summary(d, sweep.quality.eval)
     return {"setup": setup, "seed": seed, "dir": str(d), "mismatch": mm, "eval": ev,
             "divergence": float(np.mean(ev.divergence)), "accuracy": float(summary.get("accuracy", math.nan))}
 

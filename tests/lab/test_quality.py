@@ -7,6 +7,7 @@ import pytest
 import scipy.stats
 
 from jopd.lab import quality as q
+from jopd.lab.runs import EvalData
 
 N = 530
 
@@ -108,7 +109,7 @@ def test_bad_values_are_errors_not_results():
 
 
 def ev(index, values, path="x.csv"):
-    return q.EvalData(Path(path), np.asarray(index), np.asarray(values, float))
+    return EvalData(Path(path), np.asarray(index), np.asarray(values, float))
 
 
 def test_pairing_by_index_and_differing_problem_sets():
@@ -126,47 +127,6 @@ def test_pairing_by_index_and_differing_problem_sets():
     assert "3 of the 530 problems in base.csv are missing from run.csv (ids 0, 1, 2)" in msg
     assert "2 of the 529 in run.csv are missing from base.csv (ids 600, 601)" in msg
     assert "\n" not in msg
-
-
-def write_csv(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-HEADER = "index,teacher_divergence,correct,response_len,response\n"
-
-
-def test_read_eval_reads_the_train_format(tmp_path):
-    write_csv(tmp_path / "eval" / "after.csv",
-              HEADER + '2,0.5,1,3,"a, quoted\nmultiline answer"\n0,0.25,0,4,x\n1,1e-3,1,2,y\n')
-    e = q.read_eval(tmp_path, "after")
-    np.testing.assert_array_equal(e.index, [2, 0, 1])
-    np.testing.assert_allclose(e.divergence, [0.5, 0.25, 1e-3])
-
-
-@pytest.mark.parametrize("text, message", [
-    ("", "empty file"),
-    (HEADER, "no problems"),
-    ("index,correct\n0,1\n", "header lacks column.*teacher_divergence"),
-    (HEADER + "0,0.5,1,3,a\n1,abc,1,3,b\n", r"after.csv:3: teacher_divergence 'abc' is not a number"),
-    (HEADER + "zero,0.5,1,3,a\n", r"after.csv:2: index 'zero' is not an integer"),
-    (HEADER + "0,nan,1,3,a\n", r"after.csv:2: teacher_divergence is nan"),
-    (HEADER + "0,0.5,1,3,a\n0,0.6,1,3,b\n", "problem index 0 appears 2 times"),
-    ("index,teacher_divergence\n0\n", r"after.csv:2: too few fields"),
-])
-def test_read_eval_errors_name_the_file(tmp_path, text, message):
-    write_csv(tmp_path / "eval" / "after.csv", text)
-    with pytest.raises(ValueError, match=message) as e:
-        q.read_eval(tmp_path, "after")
-    assert str(tmp_path / "eval" / "after.csv") in str(e.value)
-
-
-def test_read_eval_missing_file_lists_what_exists(tmp_path):
-    write_csv(tmp_path / "eval" / "before.csv", HEADER + "0,0.5,1,3,a\n")
-    with pytest.raises(FileNotFoundError, match=r"after.csv: no such eval file \(this run has: before\)"):
-        q.read_eval(tmp_path, "after")
-    with pytest.raises(FileNotFoundError, match="no such run directory"):
-        q.read_eval(tmp_path / "nope", "after")
 
 
 # --- seed-aware rule ---------------------------------------------------------------------------------------
@@ -254,11 +214,3 @@ def test_check_comparable(tmp_path):
     assert "eval_seed differ (5, 6)" in q.check_comparable([a], [d], "after")[0]
     with pytest.raises(ValueError, match="given twice"):
         q.check_comparable([a], [tmp_path / "x" / ".." / "a"], "after")
-
-
-def test_mean_mismatch_reads_training_lines_once_per_step(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text(
-        '{"eval/teacher_divergence": 0.6, "step": 0}\n{"mismatch_kl": 0.1, "loss": 1, "step": 1}\n'
-        '{"mismatch_kl": 0.3, "step": 2}\n{"mismatch_kl": 0.5, "step": 2}\n\n')  # step 2 logged again on resume
-    assert q.mean_mismatch(tmp_path) == pytest.approx(0.3)
-    assert q.mean_mismatch(tmp_path / "none") is None

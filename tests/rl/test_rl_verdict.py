@@ -115,11 +115,3 @@ def test_bad_input_is_an_error(tmp_path):
         rv.rl_verdict(d, make_run(tmp_path, "f", same))
     with pytest.raises(ValueError, match="acc_margin: must be a finite number >= 0"):
         rv.Criterion(acc_margin=-0.1)
-
-
-def test_paired_bootstrap_interval_matches_the_normal_approximation():
-    diff = np.random.default_rng(3).choice([-1.0, 0.0, 0.0, 1.0], 2000)
-    lo, hi = rv.paired_bootstrap_ci(diff, 4000, 0, 0.95)
-    se = diff.std() / np.sqrt(len(diff))
-    assert lo == pytest.approx(diff.mean() - 1.96 * se, abs=0.2 * se)
-    assert hi == pytest.approx(diff.mean() + 1.96 * se, abs=0.2 * se)
