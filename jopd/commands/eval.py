@@ -25,15 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jopd.lab.runs import checkpoint_dir, restore_state, run_config
+    from jopd.lab.runs import build_at_checkpoint, checkpoint_dir, run_config
     from jopd.opd import loop
 
     if args.problems is not None and args.problems < 1:
         raise ValueError(f"--problems: must be >= 1, got {args.problems}")
     over = [f"train.eval_problems={args.problems}"] if args.problems else []
     cfg = run_config(args.run_dir, over)
-    run_, _ = loop.build(cfg, log=lambda m: print(m, file=sys.stderr))
-    state, step = restore_state(checkpoint_dir(cfg), run_.step.abstract_state(), args.step)
+    run_, state, step = build_at_checkpoint(cfg, checkpoint_dir(cfg), args.step,
+                                            log=lambda m: print(m, file=sys.stderr))
     name = args.name or f"step_{step}"
     summary = loop.run_eval(run_, state.params, name, Path(args.run_dir))
     print(json.dumps({"step": step, **summary}, indent=2))

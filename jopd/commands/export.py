@@ -22,16 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import jax
 
-    from jopd.lab.runs import checkpoint_dir, restore_state, run_config
+    from jopd.lab.runs import build_at_checkpoint, checkpoint_dir, run_config
     from jopd.models import io
-    from jopd.opd import loop
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
     cfg = run_config(args.run_dir)
-    run_, _ = loop.build(cfg, log=lambda m: print(m, file=sys.stderr))
-    state, step = restore_state(checkpoint_dir(cfg), run_.step.abstract_state(), args.step)
+    run_, state, step = build_at_checkpoint(cfg, checkpoint_dir(cfg), args.step,
+                                            log=lambda m: print(m, file=sys.stderr))
     path = io.save_hf(jax.device_get(state.params), run_.step.student_cfg, out, tokenizer=run_.tokenizer)
     print(f"wrote the student of {args.run_dir} at step {step} to {path}")
     return 0

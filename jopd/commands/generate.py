@@ -8,29 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 from jopd.data.chat import user_prompt_ids
 from jopd.models import io
-from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.sampling.precision import PrecisionConfig
-from jopd.sampling.sampler import Sampler, SamplingConfig
-
-
-def greedy_tokens(params, cfg: ModelConfig, prompt: list[int], max_new_tokens: int, *, compute_dtype: str = "fp32",
-                  stop_token_ids: tuple[int, ...] = ()) -> np.ndarray:
-    """Greedy continuation of one prompt with `jopd.sampling.Sampler`, up to and including the first stop token."""
-    sampler = Sampler(cfg, SamplingConfig(greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids),
-                      PrecisionConfig(compute_dtype=compute_dtype))
-    out = sampler.generate(params, [prompt], seed=0)
-    return out.tokens_BxN[0, :out.lengths_B[0]]
-
-
-def cut_at_eos(tokens: np.ndarray, eos_ids: tuple[int, ...]) -> np.ndarray:
-    """Tokens up to and excluding the first EOS."""
-    hits = np.flatnonzero(np.isin(tokens, eos_ids)) if eos_ids else []
-    return tokens[: hits[0]] if len(hits) else tokens
+from jopd.sampling.greedy import cut_at_eos, greedy_tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,27 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
 
 
-def measure_config(cfg, checkpoint: str | None = None, step: int | None = None, batches: int = 4,
-                   resamples: int = 2000, log=print):
-    """(report, student step) for a RunConfig: build its run, take the student from `checkpoint`, measure."""
-    from jopd.data.pipeline import train_iterator
-    from jopd.lab import measure
-    from jopd.lab.runs import restore_state
-    from jopd.opd import loop
-
-    run, state = loop.build(cfg, log=log)
-    at = 0
-    if checkpoint is not None:
-        ckpt = Path(checkpoint)
-        ckpt = ckpt / "checkpoints" if (ckpt / "checkpoints").is_dir() else ckpt
-        state, at = restore_state(ckpt, run.step.abstract_state(), step)
-    it = train_iterator(cfg.data, run.tokenizer, kind="prompt")
-    report = measure.measure(run, state, [next(it) for _ in range(batches)], resamples=resamples,
-                             progress=sys.stderr.isatty())
-    return report, at
-
-
 def run(args: argparse.Namespace) -> int:
+    from jopd.lab.measure import measure_config
     from jopd.opd.run_config import load_config
 
     if args.batches < 1:

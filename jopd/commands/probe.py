@@ -55,8 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jopd.data.pipeline import load_problems
     from jopd.lab import probe as probelib
-    from jopd.lab.runs import restore_state
-    from jopd.opd import loop
+    from jopd.lab.runs import build_at_checkpoint
     from jopd.opd.run_config import load_config
 
     if args.problems is not None and args.problems < 1:
@@ -66,13 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if args.step is not None and args.checkpoint is None:
         raise ValueError("--step: needs --checkpoint")
     cfg = load_config(args.config, args.overrides)
-    run_, state = loop.build(cfg, log=lambda m: print(m, file=sys.stderr))
-    student, at = "start", None
-    if args.checkpoint is not None:
-        ckpt = Path(args.checkpoint)
-        ckpt = ckpt / "checkpoints" if (ckpt / "checkpoints").is_dir() else ckpt
-        state, at = restore_state(ckpt, run_.step.abstract_state(), args.step)
-        student = f"step_{at}"
+    run_, state, at = build_at_checkpoint(cfg, args.checkpoint, args.step, log=lambda m: print(m, file=sys.stderr))
+    student = "start" if at is None else f"step_{at}"
     problems = list(load_problems(cfg.data, "heldout"))[: args.problems or cfg.train.eval_problems]
     options = probelib.ProbeOptions(samples=args.samples, student_greedy=args.greedy_student, cut=args.cut,
                                     fractions=args.fractions, resamples=args.resamples, progress=sys.stderr.isatty())

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jopd.lab import sweep_report
-    from jopd.lab.sweep import run_config, run_sweep
+    from jopd.lab.sweep import run_sweep
     from jopd.lab.sweep_config import load_sweep
 
     sweep = load_sweep(args.sweep)
@@ -62,33 +62,12 @@ def run(args: argparse.Namespace) -> int:
     sweep_report.plot(result, out / "bracket.png")
     print(sweep_report.table(result))
     if sweep.screen is not None and not args.no_screen:
-        from jopd.lab.screen import screen
+        from jopd.lab.screen import screen_sweep
 
-        sc = sweep.screen
-        configs = {s.name: run_config(sweep, s, s.seeds[0]) for s in sweep.all_setups()}
-        student = None
-        if sc.student == "baseline":
-            student = str(out / sweep.baseline.name / f"seed{sweep.baseline.seeds[0]}")
-        in_run = {s["setup"]: s["mismatch"] for s in result["setups"]}
-        setups = {s["setup"]: s for s in result["setups"]}
-        # per run: every run of a calibration setup is a point, every run of a candidate a check (the seed
-        # study's one-run rule); seed-aware: one point / one check per setup, its verdict over all its seeds
-        modes = {
-            "per_run": ([{"label": f"{r['setup']}/seed{r['seed']}", "setup": r["setup"], "verdict": r["verdict"]}
-                         for r in result["runs"] if r["setup"] in sc.calibration],
-                        {n: setups[n]["per_run_verdicts"] for n in sc.candidates if n in setups}),
-            "seed_aware": ([{"label": n, "setup": n, "verdict": setups[n]["seed_aware"]["verdict"]}
-                            for n in sc.calibration if n in setups],
-                           {n: [setups[n]["seed_aware"]["verdict"]] for n in sc.candidates if n in setups}),
-        }
-        measured: dict = {}
-        reports = {}
-        for mode, (cal, truth) in modes.items():
-            rep = screen(cal, [(n, configs[n], truth.get(n, [])) for n in sc.candidates], student=student,
-                         batches=sc.batches, resamples=sc.resamples, setup_configs=configs, in_run=in_run,
-                         measured=measured, verdicts=mode.replace("_", "-"), log=log)
-            reports[mode] = rep.to_dict()
+        reports = screen_sweep(sweep, result, log=log)
+        for rep in reports.values():
             print(rep.table())
-        (out / "screen.json").write_text(json.dumps(reports, indent=2, default=float) + "\n")
+        (out / "screen.json").write_text(json.dumps({m: r.to_dict() for m, r in reports.items()}, indent=2,
+                                                    default=float) + "\n")
     print(f"wrote {out}/summary.json, runs.csv, setups.csv, bracket.png ({time.perf_counter() - t0:.0f} s)")
     return 0
