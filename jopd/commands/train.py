@@ -20,9 +20,10 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
+    from jopd.lab.probe import training_probe
     from jopd.opd.loop import train
 
-    summary = train(cfg)
+    summary = train(cfg, probe_hook=training_probe)  # the loop schedules train.probe_every; the lab measures
     if "stopped" in summary:  # a guard stopped the run (non-finite update, degenerate rollouts): say so, fail
         print(f"jopd train: stopped: {summary['stopped']}", file=sys.stderr)
         return 3

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jopd.lab.runs import is_finished
+from jopd.lab.runs import eval_path, is_finished
 from jopd.lab.sweep_config import SetupConfig, SweepConfig
 from jopd.opd.run_config import RunConfig, load_config
 
@@ -57,12 +57,13 @@ def check_configs(sweep: SweepConfig) -> None:
 def _share_before_eval(sweep: SweepConfig, target: Path) -> None:
     """The starting student's eval is the same for every run of a sweep (all methods start from it)."""
     for method, setup, seed in planned_runs(sweep):
-        src = run_dir(sweep, setup.name, seed, method) / "eval"
-        if (src / "before.json").is_file() and (src / "before.csv").is_file():
+        src = run_dir(sweep, setup.name, seed, method)
+        files = [(eval_path(src, "before", x), eval_path(target, "before", x)) for x in (".json", ".csv")]
+        if all(a.is_file() for a, _ in files):
             (target / "eval").mkdir(parents=True, exist_ok=True)
-            for name in ("before.json", "before.csv"):
-                if not (target / "eval" / name).exists():
-                    shutil.copy(src / name, target / "eval" / name)
+            for a, b in files:
+                if not b.exists():
+                    shutil.copy(a, b)
             return
 
 
@@ -103,6 +104,7 @@ def run_sweep(sweep: SweepConfig, log=print) -> list[dict]:
 
 
 def _train_planned(sweep: SweepConfig, log) -> list[dict]:
+    from jopd.lab.probe import training_probe
     from jopd.opd.loop import train
 
     records = []
@@ -116,7 +118,7 @@ def _train_planned(sweep: SweepConfig, log) -> list[dict]:
         log(f"[{i + 1}/{len(runs)}] {setup.name} seed {seed} -> {out}")
         _share_before_eval(sweep, out)
         t0 = time.perf_counter()
-        summary = train(run_config(sweep, setup, seed, method), log=log)
+        summary = train(run_config(sweep, setup, seed, method), log=log, probe_hook=training_probe)
         status = "trained" if "after" in summary else "interrupted"
         records.append(rec | {"status": status, "wall_s": time.perf_counter() - t0})
         if status == "interrupted":  # preempted (SIGTERM/SIGINT): the run saved its state; a rerun resumes it

@@ -12,13 +12,13 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jopd.data.pipeline import load_problems, train_iterator
+from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.losses.objectives import OBJECTIVES
 from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
@@ -80,25 +80,15 @@ def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
     return res.save(out_dir / "eval", name)
 
 
-def _probe_logger(run: OPDRun, writer: MetricsWriter):
-    """`train.probe_every`: (step, student params) -> the probe's training metrics written as probe/*; None
-    when off. The probed problems are fixed for the run (the first `train.probe_problems` held-out ones)."""
-    tc = run.cfg.train
-    if not tc.probe_every:
-        return None
-    from jopd.lab import probe as probelib  # the lab builds on the OPD run, not the other way round
-
-    problems = list(load_problems(run.cfg.data, "heldout"))[: tc.probe_problems]
-    options = probelib.ProbeOptions(samples=tc.probe_samples, resamples=200, progress=False)
-
-    def log_probe(step: int, params) -> None:
-        writer.write(step, probelib.training_metrics(probelib.probe(run, params, problems, options=options)),
-                     prefix="probe/")
-
-    return log_probe
+# `train.probe_every`'s measurement, built once per run: (run) -> (student params -> metrics logged as probe/*).
+# The lab provides it (`jopd train` passes `jopd.lab.probe.training_probe`); the loop only schedules it.
+ProbeHook = Callable[[OPDRun], Callable[[Any], dict[str, float]]]
 
 
-def train(cfg: RunConfig, log=print) -> dict[str, Any]:
+def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dict[str, Any]:
+    if cfg.train.probe_every and probe_hook is None:
+        raise ValueError("RunConfig.train.probe_every: needs the probe hook (train(cfg, probe_hook=...); `jopd "
+                         "train` passes jopd.lab.probe.training_probe)")
     out_dir = Path(cfg.train.out_dir)
     try:  # an output directory that cannot be written fails now, before any compute
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -117,8 +107,12 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
         log(f"resumed from {ckpt_cfg.dir} at step {start}")
     is_main = jax.process_index() == 0
     writer = MetricsWriter(str(out_dir), enabled=is_main)
-    log_probe = _probe_logger(run, writer)
-    if log_probe and start == 0:
+    probe = probe_hook(run) if cfg.train.probe_every else None  # the probed problems are fixed for the run
+
+    def log_probe(step: int, params) -> None:
+        writer.write(step, probe(params), prefix="probe/")
+
+    if probe and start == 0:
         log_probe(0, state.params)
     before_path = out_dir / "eval" / "before.json"
     if before_path.exists():
@@ -187,7 +181,7 @@ def train(cfg: RunConfig, log=print) -> dict[str, Any]:
                 ckpt.save(done, state, data_it, metadata={"step": done}, force=stop or done == cfg.train.steps)
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
                 writer.write(done, run_eval(run, state.params, f"step_{done}", out_dir), prefix="eval/")
-            if log_probe and done % cfg.train.probe_every == 0:
+            if probe and done % cfg.train.probe_every == 0:
                 log_probe(done, state.params)
             if stop:
                 log(f"preemption requested: saved step {done}, exiting")

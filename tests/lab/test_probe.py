@@ -155,7 +155,10 @@ def test_train_probe_every_logs_the_probe_during_training(tiny):
     n = 16
     cfg = load_config(str(path), over[:1] + [f"train.out_dir={tmp / 'probed'}", "train.probe_every=2",
                                              f"train.probe_problems={n}", "train.eval_problems=8"])
-    loop.train(cfg, log=lambda *_: None)
+    with pytest.raises(ValueError, match="train.probe_every: needs the probe hook"):
+        loop.train(cfg, log=lambda *_: None)  # the loop does not import the lab: the probe is handed to it
+    assert not (tmp / "probed").exists()  # refused before anything is written
+    loop.train(cfg, log=lambda *_: None, probe_hook=probelib.training_probe)
     rows = [json.loads(line) for line in (tmp / "probed" / "metrics.jsonl").read_text().splitlines()]
     probed = {r["step"]: {k[len("probe/"):]: v for k, v in r.items() if k.startswith("probe/")}
               for r in rows if any(k.startswith("probe/") for k in r)}

@@ -32,12 +32,12 @@ def test_interrupted_sweep_resumes_without_redoing_finished_runs(sweep_file, mon
     calls, deaths = [], []
     real_train = loop.train
 
-    def train_then_die(cfg, log=print):
+    def train_then_die(cfg, log=print, **hooks):
         calls.append((cfg.train.out_dir, cfg.train.seed, cfg.rollout_precision.logit_noise))
         if len(calls) == 2 and not deaths:
             deaths.append(cfg.train.out_dir)
             raise Killed  # the process dies during the second run
-        return real_train(cfg, log=lambda *_: None)
+        return real_train(cfg, log=lambda *_: None, **hooks)
 
     monkeypatch.setattr(loop, "train", train_then_die)
     sweep = load_sweep(str(sweep_file))
@@ -125,7 +125,7 @@ def test_a_second_sweep_on_the_same_out_dir_is_refused_while_the_first_trains(sw
     try:
         assert holder.stdout.readline().strip() == "locked"
         trained = []
-        monkeypatch.setattr(loop, "train", lambda cfg, log=print: trained.append(cfg))
+        monkeypatch.setattr(loop, "train", lambda cfg, log=print, **hooks: trained.append(cfg))
         assert cli.main(["sweep", str(sweep_file)]) == 2
         err = capsys.readouterr().err
         assert f"pid {holder.pid}" in err and "another jopd sweep" in err and len(err.strip().splitlines()) == 1
@@ -134,6 +134,7 @@ def test_a_second_sweep_on_the_same_out_dir_is_refused_while_the_first_trains(sw
         holder.kill()
         holder.wait()
     # the lock dies with its process (SIGKILL included): the sweep now trains
-    monkeypatch.setattr(loop, "train", lambda cfg, log=print: trained.append(cfg.train.out_dir) or {"steps": 0})
+    monkeypatch.setattr(loop, "train",
+                        lambda cfg, log=print, **hooks: trained.append(cfg.train.out_dir) or {"steps": 0})
     sweeplib.run_sweep(sweep, log=lambda *_: None)
     assert len(trained) == 1  # the fake run "was preempted" (no "after"), so the sweep stopped after it
