@@ -30,8 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jopd.losses import (LossBatch, LossConfig, teacher_scores, teacher_topk, token_loss,  # noqa: E402
-                         token_loss_from_logits)
+from jopd.losses import LossBatch, LossConfig, token_loss, token_loss_from_logits  # noqa: E402
+from jopd.opd.teacher import teacher_scores, teacher_topk  # noqa: E402
 from jopd.models import transformer as tfm  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402
 

@@ -115,9 +115,9 @@ def with_loss_kind(run: loop.OPDRun, kind: str) -> loop.OPDRun:
     """The same run with another loss (e.g. full-vocab `rkl`, what TRL's trainers compute), built by the
     production `build_step`."""
     st = run.step
-    step = build_step(run.cfg, st.student_cfg, st.teacher_cfg, st.mesh, dataclasses.replace(st.loss_cfg, kind=kind),
-                      run.tokenizer)
-    return without_eos(dataclasses.replace(run, step=step))
+    cfg = dataclasses.replace(run.cfg, loss=dataclasses.replace(run.cfg.loss, kind=kind))
+    step = build_step(cfg, st.student_cfg, st.teacher_cfg, st.mesh, run.tokenizer)
+    return without_eos(dataclasses.replace(run, cfg=cfg, step=step))
 
 
 def build_testbed(work: Path, overrides: list[str]):

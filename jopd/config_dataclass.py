@@ -40,6 +40,11 @@ def build(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
         msg = err["msg"]
         if err["type"] == "unexpected_keyword_argument":
             msg = "unknown key"
+        elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
+            inner = err["ctx"]["error"]
+            if isinstance(inner, ConfigError):  # a nested config's error, its path relative to this field
+                raise ConfigError(f"{field}.{inner}") from None
+            msg = str(inner)  # our validators' own one-line message, without pydantic's prefix
         raise ConfigError(f"{field}: {msg}") from None
     except TypeError as e:  # non-dict nesting etc.
         raise ConfigError(f"{prefix}: {e}") from None

@@ -85,15 +85,18 @@ def registered(registry: Registry) -> type[str]:
     return Annotated[str, pydantic.AfterValidator(check)]
 
 
-def resolve_plugins(plugins, base: str | Path | None = None) -> tuple[str, ...]:
-    """The plugins with each `.py` path made absolute (against `base`), so a run's saved config imports the
-    same files from wherever it is read back."""
+def resolve_plugins(plugins, base: str | Path | None = None, *, only_existing: bool = False) -> tuple[str, ...]:
+    """The plugins with each relative `.py` path made absolute against `base`, so a run's saved config imports
+    the same files from wherever it is read back. `only_existing`: resolve only the paths that exist under
+    `base` (the rest are left for a later base, e.g. the working directory after the config's folder)."""
     if not isinstance(plugins, (list, tuple)):
         raise ValueError(f"plugins: expected a list of module names or .py paths, got {plugins!r}")
     out = []
     for plugin in plugins:
         if isinstance(plugin, str) and plugin.endswith(".py") and not Path(plugin).is_absolute() and base is not None:
-            plugin = str((Path(base) / plugin).resolve())
+            candidate = (Path(base) / plugin).resolve()
+            if candidate.is_file() or not only_existing:
+                plugin = str(candidate)
         out.append(plugin)
     return tuple(out)
 
@@ -113,7 +116,7 @@ def load_plugins(plugins: list[str] | tuple[str, ...], base: str | Path | None =
             if name in sys.modules:
                 continue
             if not path.is_file():
-                raise FileNotFoundError(f"plugins: {plugin}: file not found ({path})")
+                raise FileNotFoundError(f"plugins: {path}: file not found")
             spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module

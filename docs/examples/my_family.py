@@ -2,7 +2,7 @@
 
 A run config imports this file and then names the family like a built-in one:
 
-    plugins: [docs/examples/my_family.py]   # relative to the config's folder, or absolute
+    plugins: [docs/examples/my_family.py]   # in the config's folder, else the working directory
     student: {arch: {family: llama_qk_norm}}
 
 tests/models/test_family_plugin.py trains a tiny testbed run with exactly this file.

@@ -35,10 +35,11 @@ import pydantic
 from transformers import PreTrainedTokenizerBase
 
 from jopd.config_dataclass import config_dataclass
-from jopd.data.arithmetic import ArithmeticConfig, ArithmeticTrain, heldout_problems
+from jopd.data.arithmetic import ArithmeticConfig
 from jopd.data.chat import prompt_ids, prompt_response_ids
-from jopd.data.math_jsonl import load_math_jsonl
 from jopd.data.problem import Problem
+from jopd.data.tasks import TASKS, task_options
+from jopd.registry import registered
 
 Kind = Literal["prompt", "sft"]
 Split = Literal["train", "heldout"]
@@ -48,8 +49,10 @@ _LAZY_PRECHECK = 256
 
 @config_dataclass
 class DataConfig:
-    task: Literal["arithmetic", "jsonl"] = "arithmetic"  # built-in synthetic task or JSONL math files
+    # a registered task (`jopd.data.tasks`): the built-in synthetic arithmetic, JSONL math files, or a plugin's
+    task: registered(TASKS) = "arithmetic"
     arithmetic: ArithmeticConfig = ArithmeticConfig()  # generator settings (task=arithmetic)
+    options: dict[str, Any] = pydantic.Field(default_factory=dict)  # a plugin task's own settings (its `options`)
     train_path: str | None = None  # JSONL train problems (task=jsonl)
     heldout_path: str | None = None  # JSONL held-out problems (task=jsonl)
     batch_size: int = pydantic.Field(16, ge=1)  # global prompts per train batch, split over processes
@@ -64,16 +67,12 @@ class DataConfig:
     def __post_init__(self):
         if self.task == "jsonl" and not self.train_path:
             raise ValueError("task=jsonl needs train_path")
+        task_options(self)  # a task's options are checked with the config, before any compute
 
 
 def load_problems(cfg: DataConfig, split: Split) -> Sequence[Problem]:
-    """The problems of a split; the arithmetic train split is a lazy 'stream' indexed by problem id."""
-    if cfg.task == "arithmetic":
-        return ArithmeticTrain(cfg.arithmetic) if split == "train" else heldout_problems(cfg.arithmetic)
-    path = cfg.train_path if split == "train" else cfg.heldout_path
-    if not path:
-        raise ValueError(f"DataConfig.{split}_path: not set (task=jsonl has no {split} split without it)")
-    return load_math_jsonl(path)
+    """The problems of a split (`TASKS[cfg.task].problems`); a streaming train split is indexed by problem id."""
+    return TASKS[cfg.task].problems(cfg, split)
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -90,12 +89,13 @@ def encode_problem(problem: Problem, index: int, *, tokenizer: PreTrainedTokeniz
                    kind: Kind, valid: bool = True) -> dict[str, Any]:
     """One problem -> one (unbatched) element of the batch layout documented in this module."""
     P, R, pad = cfg.max_prompt_len, cfg.max_response_len, _pad_id(tokenizer)
+    user_turn = TASKS[cfg.task].user_turn(problem)
     if kind == "sft":
-        prompt, response = prompt_response_ids(tokenizer, problem.question, problem.solution, cfg.system_prompt)
+        prompt, response = prompt_response_ids(tokenizer, user_turn, problem.solution, cfg.system_prompt)
         if len(response) > R:
             raise _too_long(problem, "solution", len(response), "max_response_len", R)
     else:
-        prompt = prompt_ids(tokenizer, problem.question, cfg.system_prompt)
+        prompt = prompt_ids(tokenizer, user_turn, cfg.system_prompt)
     n = len(prompt)
     if n > P:
         raise _too_long(problem, "question", n, "max_prompt_len", P)
@@ -158,7 +158,7 @@ def train_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind: 
     if len(problems) < pc * per_process:
         raise ValueError(f"train split has {len(problems)} problems, fewer than one global batch "
                          f"(DataConfig.batch_size={cfg.batch_size})")
-    lazy = isinstance(problems, ArithmeticTrain)
+    lazy = TASKS[cfg.task].streams_train
     encode = _encoder(problems, tokenizer, cfg, kind, eager=not lazy)
     if lazy:  # a stream cannot be checked whole; its first problems catch a too-small length limit early
         for i in range(min(len(problems), _LAZY_PRECHECK)):

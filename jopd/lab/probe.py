@@ -6,7 +6,8 @@ that before anyone trusts the signal:
 
 1. The student answers held-out problems (`train.eval_seed`, the run's sampling: the same draws as `jopd
    train`'s held-out eval; or greedily); the responses with a wrong final answer are kept.
-2. Each wrong response is cut at its first error (the arithmetic task: `jopd.data.arithmetic_steps`) or, where
+2. Each wrong response is cut at its first error (a task with a step checker, `jopd.data.tasks`: the arithmetic
+   task's is `jopd.data.arithmetic_steps`) or, where
    steps cannot be checked (JSONL math), at fixed fractions of its tokens. The **erroneous prefix** is the
    prompt + the response tokens up to and including the token that produced the first wrong character (the
    first token after which no correct solution starts with the response). A stop token is never kept: when
@@ -48,12 +49,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jopd.data.answers import extract_answer, is_correct, parse_number
-from jopd.data.arithmetic_steps import (check_response, fraction_cuts, local_violations, parse_reference,
-                                       prefix_char_lengths, token_at_char)
+from jopd.data.answers import extract_answer, parse_number
+from jopd.data.arithmetic_steps import fraction_cuts, prefix_char_lengths, token_at_char
 from jopd.data.chat import prompt_ids, prompt_response_ids
 from jopd.data.pipeline import load_problems
 from jopd.data.problem import Problem
+from jopd.data.tasks import TASKS, StepChecker, Task
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.lab.probe_report import (  # noqa: F401  (some re-exported: the probe's public names)
     AGREEMENT_WARNING, FOLLOWS, OUTCOMES, SET_LABELS, SETS, ProbeReport, position_key, set_summary,
@@ -261,8 +262,9 @@ class _Cuts:
 
 def _error_cuts(problem_ids: Sequence[int], problems: Sequence[Problem], prompts: Sequence[Sequence[int]],
                 student: Sequence[Response], teacher: Sequence[Response], reference: Sequence[Response],
-                tokenizer, specials: frozenset[int]) -> _Cuts:
-    """Cut the wrong responses at their first error; the controls at the same (step, offset)."""
+                tokenizer, specials: frozenset[int], checker: StepChecker) -> _Cuts:
+    """Cut the wrong responses at their first error (the task's step checker); the controls at the same (step,
+    offset)."""
     out, skipped, kinds = [], {}, {}
 
     def skip(reason):
@@ -270,7 +272,7 @@ def _error_cuts(problem_ids: Sequence[int], problems: Sequence[Problem], prompts
 
     for i in problem_ids:
         prob, resp = problems[i], student[i]
-        check = check_response(resp.text, prob.solution)
+        check = checker.check_response(resp.text, prob.solution)
         err = check.error
         if err is None:
             skip("no_error_found")
@@ -280,14 +282,14 @@ def _error_cuts(problem_ids: Sequence[int], problems: Sequence[Problem], prompts
             skip("error_after_last_token")  # it ran out of tokens; nothing to score
             continue
         kinds[err.kind] = kinds.get(err.kind, 0) + 1
-        n_steps = len(parse_reference(prob.solution).steps)
+        n_steps = checker.num_steps(prob.solution)
         common = dict(problem=i, position=_position_label(err.step, n_steps), kind=err.kind,
                       prompt_ids=tuple(prompts[i]), student_answer=final_answer(resp.text), answer=prob.answer)
         kept, j, tok = keep_through(resp.ids, token, specials)
         out.append(Prefix(set="student_error", response_ids=kept, scored_index=j, scored_id=tok,
                           text=_decode(tokenizer, kept), response=resp.text, **common))
         for name, other in (("reference", reference[i]), ("teacher_own", teacher[i])):
-            other_check = check_response(other.text, prob.solution)
+            other_check = checker.check_response(other.text, prob.solution)
             char = other_check.char_of(err.step, err.offset, len(other.text))
             t = token_at_char(prefix_char_lengths(tokenizer, other.ids), char)
             t = len(other.ids) - 1 if t is None else t
@@ -338,20 +340,22 @@ class _Setup:
     bucket: int  # the one prompt bucket of every sampler call (prompt + prefix fit)
     system_prompt: str | None
     specials: frozenset[int]
+    task: Task  # the run's task entry: prompts, answer check, step checker
 
 
 def _setup(run, options: ProbeOptions) -> _Setup:
     cfg = run.cfg
     if options.samples < 0:
         raise ValueError(f"samples: must be >= 0, got {options.samples}")
-    cut = options.cut if options.cut != "auto" else ("first_error" if cfg.data.task == "arithmetic" else "fractions")
-    if cut == "first_error" and cfg.data.task != "arithmetic":
-        raise ValueError(f"cut=first_error: needs data.task=arithmetic (steps are checkable), got {cfg.data.task}")
+    task = TASKS[cfg.data.task]
+    cut = options.cut if options.cut != "auto" else ("first_error" if task.step_checker else "fractions")
+    if cut == "first_error" and task.step_checker is None:
+        raise ValueError(f"cut=first_error: task {cfg.data.task!r} has no step checker (its steps are not checkable)")
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=False,
                                    max_new_tokens=options.max_new_tokens or cfg.train.eval_max_new_tokens)
     teacher = jax.device_get(run.teacher_params) if jax.process_count() == 1 else run.teacher_params
     return _Setup(tokenizer=run.tokenizer, student_cfg=run.step.student_cfg, teacher_cfg=run.step.teacher_cfg,
-                  teacher_params=teacher, sampling=sampling, cut=cut,
+                  teacher_params=teacher, sampling=sampling, cut=cut, task=task,
                   seed=cfg.train.eval_seed if options.seed is None else options.seed,
                   batch=options.batch_size or cfg.data.eval_batch_size,
                   bucket=bucket_size(cfg.data.max_prompt_len + sampling.max_new_tokens, minimum=8, pow2_up_to=256),
@@ -372,10 +376,10 @@ class _Continued:
     greedy_texts: list[str]  # the greedy continuations
 
 
-def _continue_all(prefixes: Sequence[Prefix], cont: ContinueFn, samples: int, solutions: dict[int, str] | None
-                  ) -> _Continued:
-    """Greedy then K sampled continuations of every prefix, scored. `solutions` (problem -> worked solution):
-    measure follows_error on the student's prefixes."""
+def _continue_all(prefixes: Sequence[Prefix], cont: ContinueFn, samples: int, solutions: dict[int, str] | None,
+                  checker: StepChecker | None = None) -> _Continued:
+    """Greedy then K sampled continuations of every prefix, scored. `solutions` (problem -> worked solution)
+    with the task's step `checker`: measure follows_error on the student's prefixes."""
     draws = [None] + list(range(samples))
     values = np.zeros((len(draws), len(prefixes), len(OUTCOMES) + 1))
     values[..., len(OUTCOMES)] = np.nan
@@ -391,7 +395,7 @@ def _continue_all(prefixes: Sequence[Prefix], cont: ContinueFn, samples: int, so
             result = outcome(full, p.answer, p.student_answer)
             values[d, k, OUTCOMES.index(result)] = 1
             if solutions is not None and p.set == "student_error":
-                values[d, k, -1] = result != "recovery" and local_violations(full, solutions[p.problem]) == 1
+                values[d, k, -1] = result != "recovery" and checker.local_violations(full, solutions[p.problem]) == 1
             answers[-1].append(final_answer(full))
     return _Continued(values, answers, list(greedy_texts))
 
@@ -432,19 +436,20 @@ def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOpt
     tok, progress = su.tokenizer, options.progress
     student_params = jax.device_get(student_params) if jax.process_count() == 1 else student_params
 
-    prompts = [prompt_ids(tok, p.question, su.system_prompt) for p in problems]
+    prompts = [prompt_ids(tok, su.task.user_turn(p), su.system_prompt) for p in problems]
     student = _responses(su, su.student_cfg, student_params, prompts, range(len(problems)),
                          greedy=options.student_greedy, desc="student", progress=progress)
-    wrong = [i for i, (p, r) in enumerate(zip(problems, student)) if not is_correct(r.text, p.answer)]
+    wrong = [i for i, (p, r) in enumerate(zip(problems, student)) if not su.task.is_correct(r.text, p.answer)]
     # a wrong first answer restated right at the end would count as both recovery and agreement: not probed
     restated = {i for i in wrong if outcome(student[i].text, problems[i].answer, None) == "recovery"}
     wrong = [i for i in wrong if i not in restated]
     teacher = dict(zip(wrong, _responses(su, su.teacher_cfg, su.teacher_params, [prompts[i] for i in wrong], wrong,
                                          greedy=False, desc="teacher own", progress=progress)))
-    reference = {i: response_of(tok, prompt_response_ids(tok, problems[i].question, problems[i].solution,
+    reference = {i: response_of(tok, prompt_response_ids(tok, su.task.user_turn(problems[i]), problems[i].solution,
                                                          su.system_prompt)[1]) for i in wrong}
     args = (wrong, problems, prompts, student, teacher, reference, tok, su.specials)
-    cuts = _error_cuts(*args) if su.cut == "first_error" else _fraction_cuts(*args, options.fractions)
+    cuts = (_error_cuts(*args, su.task.step_checker) if su.cut == "first_error"
+            else _fraction_cuts(*args, options.fractions))
     if restated:
         cuts.skipped["answer_restated_right"] = len(restated)
     prefixes = cuts.prefixes
@@ -452,7 +457,7 @@ def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOpt
     cont = continue_fn or sampler_continue_fn(su.teacher_cfg, su.teacher_params, tok, su.sampling, seed=su.seed,
                                               batch=su.batch, prompt_bucket=su.bucket, progress=progress)
     solutions = {i: problems[i].solution for i in wrong} if su.cut == "first_error" else None
-    done = _continue_all(prefixes, cont, options.samples, solutions) if prefixes else \
+    done = _continue_all(prefixes, cont, options.samples, solutions, su.task.step_checker) if prefixes else \
         _Continued(np.zeros((1 + options.samples, 0, len(OUTCOMES) + 1)), [[]], [])
     rec = (recognition(su.teacher_cfg, su.teacher_params, prefixes, temperature=su.sampling.temperature,
                        batch=su.batch, min_width=su.bucket, progress=progress) if prefixes

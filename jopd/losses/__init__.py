@@ -1,12 +1,12 @@
 """Distillation losses: pure functions of logits / log-probs, masks and weights.
 
 Entry point: `token_loss(cfg, student_params, model_cfg, hidden_BxTxD, batch: LossBatch) -> (loss, metrics)`
-(chunked over T; `OBJECTIVES` declares what each kind reads); teacher side: `teacher_scores` / `teacher_topk` (chunked top-K of the teacher's full softmax).
+(chunked over T). Each loss kind is one `OBJECTIVES` entry (`kinds.py`; built-ins in `builtin.py`).
 """
 
 from jopd.losses.batch import LossBatch
-from jopd.losses.chunked import chunked_logits_map, teacher_scores, teacher_topk
-from jopd.losses.config import LossConfig
+from jopd.losses.chunked import chunked_logits_map
+from jopd.losses.config import LossConfig, RLConfig
 from jopd.losses.divergences import (cross_entropy, forward_kl, generalized_jsd, reverse_kl, token_logprobs,
                                      topk_reverse_kl, topk_tail_reverse_kl)
 from jopd.losses.is_correction import importance_ratio, importance_weights, is_metrics, mismatch_estimators
@@ -16,7 +16,7 @@ from jopd.losses.policy_gradient import (clipped_ratio_surrogate, discounted_fut
                                          policy_gradient_surrogate, reference_kl_k3, softmax_entropy)
 
 __all__ = [
-    "LossBatch", "LossConfig", "OBJECTIVES", "token_loss", "token_loss_from_logits", "teacher_scores", "teacher_topk",
+    "LossBatch", "LossConfig", "RLConfig", "OBJECTIVES", "token_loss", "token_loss_from_logits",
     "chunked_logits_map", "topk_reverse_kl", "topk_tail_reverse_kl", "reverse_kl", "forward_kl", "generalized_jsd", "cross_entropy",
     "token_logprobs", "importance_ratio", "importance_weights", "is_metrics", "mismatch_estimators",
     "loss_mask", "masked_mean", "discounted_future_sum", "opd_advantages", "policy_gradient_surrogate",

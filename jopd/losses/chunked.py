@@ -1,6 +1,6 @@
 """Chunked projection to logits: map a per-position function over T-chunks so that at most one chunk of
 [B, chunk, V] logits exists at a time (and, under `jax.checkpoint`, the backward pass recomputes each chunk's
-logits instead of storing them). Also the teacher's scoring: top-K ids + log-probs from hidden states."""
+logits instead of storing them). The student's loss and the teacher's scoring (`jopd.opd.teacher`) both use it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from jopd.models.transformer import logits_at_ids, logits_from_hidden
 
@@ -76,70 +76,3 @@ def chunked_logits_map(
 
     _, out = jax.lax.scan(body, None, (split(hidden_BxTxD), {k: split(v) for k, v in inputs.items()}))
     return jax.tree.map(merge, out)
-
-
-def teacher_scores(
-    teacher_hidden_BxTxD: Float[Array, "B T D"],
-    teacher_params: Mapping[str, Any],
-    *,
-    k: int,
-    chunk: int,
-    targets_BxT: Int[Array, "B T"] | None = None,
-    temperature: float = 1.0,
-    dtype=jnp.float32,
-    extra_ids_BxTxE: Int[Array, "B T E"] | None = None,
-) -> dict[str, jax.Array]:
-    """Teacher top-K of its FULL softmax (at `temperature`), computed chunk by chunk; no gradient.
-
-    Returns `LossBatch` fields: teacher_topk_ids_BxTxK int32, teacher_topk_logprobs_BxTxK fp32 (log-probs under
-    the full-vocabulary softmax, descending), and, when `targets_BxT` is given, teacher_target_logprobs_BxT
-    (log pi_t of each target token, for sampled-token OPD). With `extra_ids_BxTxE` (e.g. the student's top-K
-    ids, the sampled token) the support is the teacher's top-K followed by those ids, [B, T, K + E], scored at
-    the same softmax, and `support_mask_BxTxK` marks each id's first occurrence (a repeated id counts once).
-    """
-    hidden = jax.lax.stop_gradient(teacher_hidden_BxTxD)
-    params = jax.lax.stop_gradient(head_params(teacher_params))
-    V = (params["lm_head"].shape[-1] if "lm_head" in params else params["embed"].shape[0])
-    if not 1 <= k <= V:
-        raise ValueError(f"teacher top-K: k={k} must be in [1, vocab={V}]")
-
-    def fn(logits_BxCxV, inp):
-        # top-K of the logits, normalized afterwards: no [B, C, V] log-softmax is materialized
-        z = logits_BxCxV / temperature
-        lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-        values, ids = jax.lax.top_k(z, k)
-        ids = ids.astype(jnp.int32)
-        if "extra" in inp:
-            extra = inp["extra"].astype(jnp.int32)
-            ids = jnp.concatenate([ids, extra], axis=-1)
-            values = jnp.concatenate([values, jnp.take_along_axis(z, extra, axis=-1)], axis=-1)
-            K = ids.shape[-1]
-            earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [i, j]: j comes before i
-            repeated = jnp.any((ids[..., :, None] == ids[..., None, :]) & earlier, axis=-1)
-        out = {"teacher_topk_ids_BxTxK": ids, "teacher_topk_logprobs_BxTxK": values - lse}
-        if "extra" in inp:
-            out["support_mask_BxTxK"] = ~repeated
-        if "targets" in inp:
-            t = inp["targets"].astype(jnp.int32)[..., None]
-            out["teacher_target_logprobs_BxT"] = (jnp.take_along_axis(z, t, axis=-1) - lse)[..., 0]
-        return out
-
-    inputs = {} if targets_BxT is None else {"targets": targets_BxT}
-    if extra_ids_BxTxE is not None:
-        inputs["extra"] = extra_ids_BxTxE
-    return chunked_logits_map(fn, params, hidden, inputs, chunk, dtype=dtype, remat=False)
-
-
-def teacher_topk(
-    teacher_hidden_BxTxD: Float[Array, "B T D"],
-    teacher_params: Mapping[str, Any],
-    k: int,
-    chunk: int,
-    *,
-    temperature: float = 1.0,
-    dtype=jnp.float32,
-) -> tuple[Int[Array, "B T K"], Float[Array, "B T K"]]:
-    """(ids_BxTxK int32, logprobs_BxTxK fp32): the teacher's top-K tokens and their full-softmax log-probs."""
-    out = teacher_scores(teacher_hidden_BxTxD, teacher_params, k=k, chunk=chunk, temperature=temperature,
-                         dtype=dtype)
-    return out["teacher_topk_ids_BxTxK"], out["teacher_topk_logprobs_BxTxK"]

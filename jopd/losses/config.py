@@ -1,4 +1,5 @@
-"""`LossConfig`: which per-token objective the trainer minimizes, with its masks and IS correction."""
+"""`LossConfig`: which per-token objective the trainer minimizes, with its masks and IS correction; `RLConfig`: how
+the RL kinds turn rewards into advantages and how often they reuse a rollout batch."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Annotated, Literal
 import pydantic
 
 from jopd.config_dataclass import config_dataclass
+from jopd.losses.kinds import OBJECTIVES
+from jopd.registry import registered
 
-LossKind = Literal["topk_rkl", "topk_rkl_tail", "sampled_opd", "rkl", "fkl", "jsd", "sft", "reinforce", "grpo"]
+LossKind = registered(OBJECTIVES)  # the registered kinds (built-ins: `jopd.losses.builtin`; a plugin may add more)
 ISMode = Literal["none", "tis", "icepop"]
 
 _Pos = pydantic.Field(gt=0)
@@ -21,17 +24,17 @@ class LossConfig:
     # topk_rkl: truncated reverse KL renormalized on the support S below;
     # topk_rkl_tail (the default OPD loss, with S = union): the same support plus one "tail" outcome, not
     # renormalized (penalizes off-support mass; lowest held-out divergence of the truncated losses measured on
-    # both the testbed and the SmolLM2 task, README "Which truncated reverse KL");
+    # both the testbed and the SmolLM2 task, docs/results.md "Which truncated reverse KL");
     # sampled_opd: policy gradient with advantage -(log pi_s(y) - log pi_t(y)) on the sampled token;
     # rkl / fkl / jsd: full-vocabulary divergences (need full teacher logits); sft: cross-entropy on targets;
-    # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`jopd.rl`).
+    # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`RLConfig`).
     kind: LossKind = "topk_rkl_tail"
     top_k: Annotated[int, pydantic.Field(ge=1)] = 32  # K; must match the teacher top-K in the batch
     # The support S of the topk kinds (orthogonal to renormalized vs tail; other kinds ignore it): the teacher's
     # top-K, or its union with the student's top-K (taken from the sampler's logits at rollout time);
     # `support_sampled` adds the sampled token. The teacher is scored at every id of S; repeated ids count once
     # (`support_mask_BxTxK`). The default is the union: on the teacher's top-K alone the student's mass outside
-    # it is never penalized, and the held-out divergence counts exactly that mass (README, "Which truncated
+    # it is never penalized, and the held-out divergence counts exactly that mass (docs/results.md, "Which truncated
     # reverse KL").
     support: Literal["teacher_topk", "union"] = "union"
     support_sampled: bool = False
@@ -55,13 +58,14 @@ class LossConfig:
     template_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
     # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats).
     chunk_size: Annotated[int, pydantic.Field(ge=1)] = 128
-    # RL kinds (reinforce / grpo). Set them as `rl.*` in a run config: `opd.step.build_step` copies them here
-    # (like `temperature` from the sampler), so the per-token loss reads one config.
-    # grpo: PPO's clipped ratio r = pi_theta(y) / pi_sampler(y), clipped to [1 - clip_eps, 1 + clip_eps_high].
+    # RL kinds (reinforce / grpo), per token. grpo: PPO's clipped ratio r = pi_theta(y) / pi_sampler(y),
+    # clipped to [1 - clip_eps, 1 + clip_eps_high] (None: clip_eps; DAPO's "clip higher" sets it above clip_eps).
     clip_eps: Annotated[float, pydantic.Field(gt=0.0, lt=1.0)] = 0.2
     clip_eps_high: Annotated[float, _Pos] | None = None  # None: clip_eps
-    kl_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0  # + kl_coef * k3(pi_theta || pi_ref) per token
-    # Denominator = rows x response slots (a constant per batch shape) instead of the count of loss tokens.
+    # + kl_coef * k3(pi_theta || pi_ref) per token, pi_ref = the run's starting student (frozen)
+    kl_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0
+    # Denominator = rows x response slots (a constant per batch shape) instead of the count of loss tokens
+    # (Dr. GRPO: a sequence's weight no longer depends on its own or its batch-mates' lengths).
     token_sum_norm: bool = False
 
     @property
@@ -86,3 +90,20 @@ class LossConfig:
         """(low, high) bounds of the grpo ratio."""
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         return 1.0 - self.clip_eps, 1.0 + high
+
+
+Baseline = Literal["batch_mean", "leave_one_out", "running_mean"]
+
+
+@config_dataclass
+class RLConfig:
+    """The RL kinds' per-sequence side (`jopd.losses.advantages`; their per-token settings are `LossConfig`'s)."""
+
+    group_size: int = pydantic.Field(4, ge=1)  # GRPO samples per prompt (the batch holds batch_size prompts)
+    normalize_std: bool = True  # GRPO: divide by the group's reward std (Dr. GRPO sets this False)
+    eps: float = pydantic.Field(1e-6, gt=0)
+    baseline: Baseline = "batch_mean"  # REINFORCE's baseline (GRPO's is its group mean)
+    baseline_decay: float = pydantic.Field(0.9, ge=0, lt=1)  # running_mean: EMA decay per rollout batch
+    # Optimizer updates per rollout batch (GRPO only: its clipped ratio accounts for the policy's change).
+    # optim.warmup_steps / decay_steps count optimizer updates, i.e. train.steps * inner_updates in all.
+    inner_updates: int = pydantic.Field(1, ge=1)

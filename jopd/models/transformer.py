@@ -142,7 +142,7 @@ def apply_rope(x_BxTxNxDh: jax.Array, positions_BxT: Int[Array, "B T"], inv_freq
     return x_BxTxNxDh * cos + rotated * sin
 
 
-BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split the batch (jopd.parallel.mesh's `batch` rule)
+BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split the batch (jopd.parallel.rules' `batch` rule)
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:

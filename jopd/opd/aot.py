@@ -34,7 +34,8 @@ from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.losses.objectives import OBJECTIVES
 from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
-from jopd.opd.step import build_step, resolve_loss_config
+from jopd.opd.batch import RolloutArrays
+from jopd.opd.step import build_step
 from jopd.sampling.sampler import RowRandomness
 
 # HBM per chip (GiB) by `device.device_kind`, with the chip's usual name. Public figures: v4 32 GiB,
@@ -322,7 +323,7 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     lowering it from abstract inputs, and the bytes per device of other stages' buffers alive while it runs.
     Returns ({stage: (lower, resident)}, {long-lived buffer: bytes per device})."""
     # Special-token masking needs the tokenizer but does not change any shape or memory.
-    step = build_step(cfg, s_cfg, t_cfg, mesh, resolve_loss_config(cfg, tokenizer=None))
+    step = build_step(cfg, s_cfg, t_cfg, mesh)
     sh = step.shardings
     B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
     meshlib.batch_sharding(mesh, meshlib.rules_for("sample", cfg.mesh), (B,), where="data.batch_size")
@@ -341,10 +342,12 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     rand = RowRandomness(sds((B, N), jnp.float32, sharding=sh.batch), sds((B, 2), jnp.uint32, sharding=sh.batch))
     sample = jax.eval_shape(step.sampler.program, sampler_params, prompt, prompt_mask, rand, cache)._replace(cache=None)
     sample = _abstract(sample, jax.tree.map(lambda _: sh.batch, sample))
-    advantages = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
-    # the frozen KL reference (rl.kl_coef > 0): the starting student's shapes in the trainer layout
+    per_row = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
+    rollout = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, sample=sample, advantages_B=per_row,
+                            rewards_B=per_row)
+    # the frozen KL reference (loss.kl_coef > 0): the starting student's shapes in the trainer layout
     reference = (state.params,) if step.uses_reference else ()
-    batch = jax.eval_shape(step.score_fn, teacher, prompt, prompt_mask, sample, advantages, *reference)
+    batch = jax.eval_shape(step.score_fn, teacher, rollout, *reference)
     batch = _abstract(batch, jax.tree.map(lambda _: sh.batch, batch))
 
     buffers = {"train_state": _bytes(state), "teacher_params": _bytes(teacher),
@@ -362,7 +365,7 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
                         | held(*frozen, "kv_cache")),
         "sample": (lambda: step.sampler.program.lower(sampler_params, prompt, prompt_mask, rand, cache),
                    held("train_state", *frozen)),
-        "teacher_scoring": (lambda: step.score_fn.lower(teacher, prompt, prompt_mask, sample, advantages, *reference),
+        "teacher_scoring": (lambda: step.score_fn.lower(teacher, rollout, *reference),
                             held("train_state", "sampler_params", "kv_cache", "rollout")),
         "train_step": (lambda: step.update_fn.lower(state, batch), held(*frozen, "kv_cache")),
     }

@@ -1,4 +1,5 @@
-"""The OPD step's batches: the sequence layout of a sampled batch, and the train step's input `TrainBatch`.
+"""The OPD step's batches: a rollout's device arrays (`RolloutArrays`, what the scoring stage takes whole), the
+sequence layout of a sampled batch, and the train step's input `TrainBatch`.
 
 Layout: the left-padded prompt [B, P] followed by the response [B, N] gives the student's input
 `tokens_BxS` / `attn_mask_BxS`, S = P + N. Every loss field is response-aligned [B, N, ...]: slot t describes
@@ -15,6 +16,18 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jopd.losses import LossBatch
+from jopd.sampling.sampler import SampleOutput
+
+
+@flax.struct.dataclass
+class RolloutArrays:
+    """One step's sampled batch as global device arrays (a pytree: the scoring stage's input)."""
+
+    prompt_BxP: Int[Array, "B P"]  # left-padded prompts
+    prompt_mask_BxP: Bool[Array, "B P"]
+    sample: SampleOutput  # tokens, lengths, sampler log-probs (and full log-softmax with train.mismatch=exact)
+    advantages_B: Array | None = None  # RL kinds: the per-sequence advantage from the rewards
+    rewards_B: Array | None = None  # RL kinds: each response's reward (logged; scoring does not read it)
 
 
 class SequenceLayout(NamedTuple):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jopd.data.answers import is_correct
+from jopd.data.tasks import TASKS
 from jopd.data.pipeline import DataConfig, heldout_dataset, load_problems
 from jopd.losses.chunked import head_params
 from jopd.losses.divergences import reverse_kl
@@ -85,6 +85,7 @@ def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cf
                      desc: str = "eval") -> EvalResult:
     """Sample one response per held-out problem (randomness keyed by the problem id), then score it."""
     sampler = Sampler(s_cfg, dataclasses.replace(sampling, return_full_logprobs=False))
+    is_correct = TASKS[data_cfg.task].is_correct
     idx, kls, correct, lens, texts = [], [], [], [], []
     total = min(max_problems, len(load_problems(data_cfg, "heldout")))
     bar = tqdm(total=total, desc=desc, dynamic_ncols=True, leave=False)

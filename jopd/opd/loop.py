@@ -27,7 +27,7 @@ from jopd.opd.guards import RunGuard, loggable
 from jopd.opd.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.model_sources import check_compatible, get_model, precheck_sources, run_tokenizer
 from jopd.opd.run_config import RunConfig, to_yaml
-from jopd.opd.step import OPDStep, build_step, resolve_loss_config
+from jopd.opd.step import OPDStep, build_step
 from jopd.opd.train_state import TrainState
 from jopd.parallel import mesh as meshlib
 from jopd.parallel.distributed import maybe_initialize
@@ -44,7 +44,7 @@ class OPDRun:
     step: OPDStep
     teacher_params: Any
     tokenizer: Any
-    reference_params: Any = None  # RL kinds with rl.kl_coef > 0: the starting student, frozen (trainer layout)
+    reference_params: Any = None  # RL kinds with loss.kl_coef > 0: the starting student, frozen (trainer layout)
 
 
 def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
@@ -60,7 +60,7 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
     check_compatible(student_cfg, teacher_cfg, None, None)
     log(f"teacher: {t_from}  student: {s_from}")
-    step = build_step(cfg, student_cfg, teacher_cfg, mesh, resolve_loss_config(cfg, tokenizer), tokenizer)
+    step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer)
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
     # the starting student as loaded, also on resume (the restored state replaces only the trained copy)
     reference = step.place_reference(student_params) if step.uses_reference else None
@@ -167,7 +167,7 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
             with jax.set_mesh(opd.mesh):  # activations' batch constraints (transformer.constrain_batch)
                 state, metrics, rollout = opd(state, run.teacher_params, batch, step, run.reference_params)
             # the [B,N,V] sampler log-softmax (mismatch=exact) is freed now, not held through the next rollout
-            rollout = rollout._replace(sample=rollout.sample._replace(full_logprobs_BxNxV=None))
+            rollout = rollout.without_full_logprobs()
             if pending is not None:
                 stopped = flush(pending)  # previous step's metrics: read while this step runs
                 if stopped:

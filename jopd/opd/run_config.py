@@ -18,12 +18,11 @@ from jopd.opd.checkpoint import CheckpointConfig
 from jopd.opd.guards import GuardConfig
 from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yaml_mapping
 from jopd.data.pipeline import DataConfig
-from jopd.losses import LossConfig
+from jopd.losses import LossConfig, RLConfig
 from jopd.models.families import FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
 from jopd.sampling.precision import PrecisionConfig
-from jopd.rl import RLConfig
 from jopd.sampling.sampler import SamplingConfig
 
 
@@ -111,8 +110,9 @@ class TrainConfig:
 
 @config_dataclass
 class RunConfig:
-    # Modules (`my_pkg.my_loss`) or .py files (relative to the config's folder) imported before the config is
-    # validated: what registers a user's own loss kinds, tasks and model families (`jopd.registry`).
+    # Modules (`my_pkg.my_loss`) or .py files (a relative path: in the config's folder, else the working
+    # directory) imported before the config is validated: what registers a user's own loss kinds, tasks and
+    # model families (`jopd.registry`, docs/extending.md).
     plugins: tuple[str, ...] = ()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
@@ -120,7 +120,7 @@ class RunConfig:
     sampling: SamplingConfig = SamplingConfig()
     rollout_precision: PrecisionConfig = PrecisionConfig()
     loss: LossConfig = LossConfig()
-    rl: RLConfig = RLConfig()  # used by the RL baselines (loss.kind reinforce / grpo)
+    rl: RLConfig = RLConfig()  # the RL kinds' advantages and rollout reuse (their per-token settings: loss.*)
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -152,28 +152,49 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+# The RL kinds' per-token settings, once `rl.*` (and copied into `loss.*` by the step), now `loss.*` only.
+_MOVED_TO_LOSS = ("clip_eps", "clip_eps_high", "kl_coef", "token_sum_norm")
+
+
 def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
     """Configs saved by earlier versions (a run's config.yaml) still load: `train.mask_special_tokens: true` was
-    what `train.mask: all_special` is now."""
+    what `train.mask: all_special` is now; `rl.clip_eps` / `clip_eps_high` / `kl_coef` / `token_sum_norm` are
+    `loss.*` now (a saved config holds both copies, the `loss.*` one at its default: the `rl.*` one counts)."""
     train = data.get("train")
     if isinstance(train, dict) and "mask_special_tokens" in train and "mask" not in train:
         train = dict(train)
         train["mask"] = "all_special" if train.pop("mask_special_tokens") else "none"
         data = dict(data, train=train)
+    rl = data.get("rl")
+    if isinstance(rl, dict) and any(k in rl for k in _MOVED_TO_LOSS):
+        rl, loss = dict(rl), dict(data.get("loss") or {})
+        default = LossConfig()
+        for k in _MOVED_TO_LOSS:
+            if k not in rl:
+                continue
+            value, mine = rl.pop(k), loss.get(k, getattr(default, k))
+            if value != getattr(default, k):
+                if mine != getattr(default, k) and mine != value:
+                    raise ConfigError(f"RunConfig.rl.{k}={value} and loss.{k}={mine}: set loss.{k} only")
+                loss[k] = value
+        data = dict(data, rl=rl, loss=loss)
     return data
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
     data = read_yaml_mapping(path) if path is not None else {}
-    data = _upgrade(data)
-    data = apply_overrides(data, list(overrides))
-    if "plugins" in data:  # the user's registry entries (loss kinds, tasks, model families) exist before validation
-        base = os.path.dirname(os.path.abspath(path)) if path is not None else os.getcwd()
-        try:
-            data["plugins"] = registry.resolve_plugins(data["plugins"] or (), base)
+    try:  # a relative plugin file: in the config's folder if it is there, else in the working directory
+        if "plugins" in data:
+            data["plugins"] = registry.resolve_plugins(data["plugins"] or (), os.path.dirname(os.path.abspath(path)),
+                                                       only_existing=True)
+        data = _upgrade(apply_overrides(data, list(overrides)))
+        if "plugins" in data:  # the user's registry entries (loss kinds, tasks, families) exist before validation
+            data["plugins"] = registry.resolve_plugins(data["plugins"] or (), os.getcwd())
             registry.load_plugins(data["plugins"])
-        except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"RunConfig.{e}") from None
+    except (ValueError, FileNotFoundError) as e:
+        if isinstance(e, ConfigError) or not str(e).startswith("plugins: "):
+            raise
+        raise ConfigError(f"RunConfig.{e}") from None
     return build(RunConfig, data, where="RunConfig")
 
 

@@ -1,6 +1,6 @@
 """One OPD step, in one place: `OPDStep.rollout` -> `OPDStep.score` -> `OPDStep.update`.
 
-    step = build_step(cfg, student_cfg, teacher_cfg, mesh, loss_cfg, tokenizer)
+    step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer)   # the loss config derived from cfg
     state = step.init_state(student_params, seed)
     rollout = step.rollout(state, prompt_batch, n)       # weight sync + sampler (rollout precision, noise)
     train_batch = step.score(teacher_params, rollout)    # teacher forward -> the loss fields
@@ -12,14 +12,16 @@ of the student; the batch over data x fsdp. The shardings are computed once, fro
 state, and the same ones serve init, restore and the step. `jopd train`'s loop, `jopd aot` (which lowers the
 same jitted stages from abstract inputs), the lab commands and the benchmarks all call this object; none
 spells the step out again. What a loss kind needs (teacher logits, advantages, groups of rollouts) comes
-from its entry in `losses.objectives.OBJECTIVES`.
+from its entry in `losses.kinds.OBJECTIVES`; the stages are files: the sampler (`jopd.sampling`), the scoring
+(`opd/teacher.py`), the update (`opd/student_loss.py`, `opd/train_state.py`), the RL kinds' host side
+(`opd/rewards.py`).
 
-RL kinds (`OBJECTIVES[kind].uses_rewards`): the rollout stage decodes the responses and computes correctness
-rewards and per-sequence advantages on the host (`jopd.rl`); score adds, with `rl.kl_coef > 0`, the frozen
+RL kinds (`OBJECTIVES[kind].uses_rewards`): the rollout stage decodes the responses and computes the task's
+rewards and the kind's per-sequence advantages on the host; score adds, with `loss.kl_coef > 0`, the frozen
 reference's log-probs of the sampled tokens (the reference = the run's starting student, an argument like the
 teacher, on the trainer layout: `place_reference`); `__call__` runs `rl.inner_updates` optimizer updates on
 the one scored batch (GRPO), and keeps the REINFORCE running-mean baseline in the train state
-(`RLTrainState`), so it is checkpointed with the params.
+(`rewards.RLTrainState`), so it is checkpointed with the params.
 
 Randomness: step n's sampling draws are `row_randomness(rollout_seed(train.seed), global row ids)`, its
 weight-noise key `weight_sync_key(state.rng, n)`; both are pure functions of (seed, n), which is what makes a
@@ -31,26 +33,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jopd import rl
-from jopd.losses import LossBatch, LossConfig, teacher_scores
+from jopd.data.tasks import TASKS
+from jopd.losses import LossConfig
 from jopd.losses.objectives import OBJECTIVES, Objective, needs_reference
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.opd.batch import SequenceLayout, TrainBatch, sequence_layout
+from jopd.opd import rewards
+from jopd.opd.batch import RolloutArrays, TrainBatch
 from jopd.opd.optim import make_optimizer
+from jopd.opd.rewards import RLTrainState
 from jopd.opd.run_config import RunConfig
 from jopd.opd.student_loss import rollout_loss_fn
-from jopd.opd.teacher import teacher_fields
+from jopd.opd.teacher import score_rollout
 from jopd.opd.train_state import TrainState, make_train_step, new_train_state, opt_state_shardings
 from jopd import parallel as meshlib
 from jopd.parallel.distributed import host_local_to_global
@@ -69,15 +72,6 @@ def weight_sync_key(rng: jax.Array, step: int | jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(rng, step), 1)
 
 
-@flax.struct.dataclass
-class RLTrainState(TrainState):
-    """The train state of REINFORCE with `rl.baseline: running_mean`: the baseline's EMA is state of the run
-    (checkpointed and restored with the params, so a resumed run reads the very float32 the uninterrupted run
-    read). Every other kind keeps the plain `TrainState` pytree."""
-
-    reward_ema: jax.Array  # float32 scalar: EMA (from 0) of the batch-mean rewards of the steps so far
-
-
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
     student: Any  # trainer layout of the student params
@@ -88,16 +82,35 @@ class StepShardings:
     cache: NamedSharding  # every per-layer [B, K, S, Dh] KV-cache buffer
 
 
-class Rollout(NamedTuple):
-    """One step's sampled batch: global device arrays, plus this process's host rows of the prompt batch."""
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One step's sampled batch: its device arrays (`RolloutArrays`, what scoring takes whole) and its host part,
+    this process's rows of the prompt batch (index, question, answer, ...; groups repeated)."""
 
-    prompt_BxP: jax.Array
-    prompt_mask_BxP: jax.Array
-    sample: SampleOutput  # tokens, lengths, sampler log-probs (and full log-softmax with train.mismatch=exact)
-    host_batch: dict[str, np.ndarray]  # this process's rows (index, question, answer, ...), groups repeated
-    rewards_B: jax.Array | None = None  # loss kinds with `uses_rewards`: correctness of each response
-    advantages_B: jax.Array | None = None  # ... and the per-sequence advantage from those rewards
+    arrays: RolloutArrays
+    host_batch: dict[str, np.ndarray]
     reward_ema: np.float32 | None = None  # running_mean baseline: the EMA after this step's rewards
+
+    @property
+    def sample(self) -> SampleOutput:
+        return self.arrays.sample
+
+    @property
+    def prompt_BxP(self) -> jax.Array:
+        return self.arrays.prompt_BxP
+
+    @property
+    def prompt_mask_BxP(self) -> jax.Array:
+        return self.arrays.prompt_mask_BxP
+
+    @property
+    def rewards_B(self) -> jax.Array | None:
+        return self.arrays.rewards_B
+
+    def without_full_logprobs(self) -> "Rollout":
+        """The rollout without the sampler's [B, N, V] log-softmax (freed once the update has read it)."""
+        sample = self.sample._replace(full_logprobs_BxNxV=None)
+        return dataclasses.replace(self, arrays=self.arrays.replace(sample=sample))
 
 
 def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
@@ -117,52 +130,6 @@ def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
         template = tuple(sorted({vocab[t] for t in cfg.train.template_tokens} - {tokenizer.eos_token_id}))
     return dataclasses.replace(cfg.loss, special_token_ids=special, template_token_ids=template,
                                temperature=cfg.sampling.temperature)
-
-
-def with_rl_settings(loss_cfg: LossConfig, rl_cfg: rl.RLConfig) -> LossConfig:
-    """The loss config with the per-token RL settings of `rl` (clip range, KL coefficient, normalization): the
-    user sets them once, as `rl.*`; a `loss.*` copy set to something else is an error, not silently replaced."""
-    fields = ("clip_eps", "clip_eps_high", "kl_coef", "token_sum_norm")
-    default = LossConfig()
-    for f in fields:
-        mine, theirs = getattr(loss_cfg, f), getattr(rl_cfg, f)
-        if mine != getattr(default, f) and mine != theirs:
-            raise ValueError(f"RunConfig.loss.{f}={mine}: set rl.{f} instead (the loss takes it from there)")
-    return dataclasses.replace(loss_cfg, **{f: getattr(rl_cfg, f) for f in fields})
-
-
-def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: ModelConfig, loss_cfg: LossConfig,
-                       dtype) -> jax.Array:
-    """log pi_ref(target) [B, N] of the frozen reference at the loss temperature, chunked like the teacher's
-    scores and in the trainer's dtype (so the k3 KL to the starting student is 0 before the first update)."""
-    N = layout.targets_BxN.shape[1]
-    hidden = transformer.response_hidden(reference_params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N,
-                                         dtype=dtype)
-    out = teacher_scores(hidden, reference_params, k=1, chunk=loss_cfg.chunk_size, targets_BxT=layout.targets_BxN,
-                         temperature=loss_cfg.temperature, dtype=dtype)
-    return out["teacher_target_logprobs_BxT"]
-
-
-def _score(teacher_params, prompt_BxP, prompt_mask_BxP, sample: SampleOutput, advantages_B, reference_params=None, *,
-           teacher_cfg: ModelConfig, student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str,
-           dtype) -> TrainBatch:
-    layout: SequenceLayout = sequence_layout(prompt_BxP, prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
-    teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
-                             student_topk_ids_BxNxK=sample.topk_ids_BxNxK)
-    # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
-    # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
-    # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)
-    is_lp = sample.unprocessed_logprobs_BxN if is_logprobs == "unprocessed" else sample.logprobs_BxN
-    advantages = None
-    if advantages_B is not None:
-        advantages = jnp.broadcast_to(advantages_B[:, None], layout.targets_BxN.shape).astype(jnp.float32)
-    reference = None
-    if reference_params is not None:
-        reference = reference_logprobs(reference_params, layout, model_cfg=student_cfg, loss_cfg=loss_cfg, dtype=dtype)
-    loss = LossBatch(targets_BxT=layout.targets_BxN, response_mask_BxT=layout.response_mask_BxN,
-                     sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
-                     advantages_BxT=advantages, reference_logprobs_BxT=reference, **teacher)
-    return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)
 
 
 # Metrics that describe the rollout against the trainer's params at the weight sync: with several inner
@@ -194,8 +161,8 @@ class OPDStep:
     sampler: Sampler
     tokenizer: Any  # decodes responses for rewards (RL kinds); None is fine for the others
     sync_fn: Any  # jit: (params, key) -> sampler params (rollout precision, weight noise, unstacked layers)
-    # jit: (teacher, prompt, prompt mask, sample, advantages | None[, reference]) -> TrainBatch; the sixth
-    # argument, the reference params (trainer layout), exists iff `uses_reference`
+    # jit: (teacher, RolloutArrays[, reference]) -> TrainBatch; the third argument, the reference params
+    # (trainer layout), exists iff `uses_reference`
     score_fn: Any
     update_fn: Any  # jit: (state, TrainBatch) -> (state, metrics); state donated
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
@@ -213,13 +180,13 @@ class OPDStep:
 
     @property
     def uses_reference(self) -> bool:
-        """score needs the frozen reference's params (RL kinds with rl.kl_coef > 0)."""
+        """score needs the frozen reference's params (RL kinds with loss.kl_coef > 0)."""
         return needs_reference(self.loss_cfg)
 
     @property
     def uses_running_baseline(self) -> bool:
         """The train state is an `RLTrainState` (REINFORCE with rl.baseline=running_mean)."""
-        return _running_baseline(self.loss_cfg.kind, self.cfg.rl)
+        return rewards.uses_running_baseline(self.objective, self.cfg.rl)
 
     # -- state ------------------------------------------------------------------------------------------
 
@@ -252,7 +219,7 @@ class OPDStep:
     def rollout(self, state: TrainState, batch: dict[str, np.ndarray], step: int) -> Rollout:
         """Weight sync, then the sampler on this process's rows of the prompt batch (Grain's dict)."""
         if self.rollouts_per_prompt > 1:
-            batch = rl.repeat_for_groups(batch, self.rollouts_per_prompt)
+            batch = rewards.repeat_for_groups(batch, self.rollouts_per_prompt)
         local_rows = batch["prompt_tokens"].shape[0]
         sampler_params = self.sync_fn(state.params, weight_sync_key(state.rng, step))
         first = step * local_rows * jax.process_count() + jax.process_index() * local_rows
@@ -261,16 +228,17 @@ class OPDStep:
         local = (batch["prompt_tokens"], batch["prompt_mask"].astype(bool), rand.uniforms_BxN, rand.noise_key_data_Bx2)
         prompt, mask, u, k = host_local_to_global(local, self.shardings.batch)
         sample = self.sampler.sample_padded(sampler_params, prompt, mask, RowRandomness(u, k))
-        out = Rollout(prompt, mask, sample, batch)
+        arrays, ema = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=mask, sample=sample), None
         if self.objective.uses_rewards:
-            out = out._replace(**self._rewards(sample, batch, state))
-        return out
+            r, adv, ema = self._rewards(sample, batch, state)
+            arrays = arrays.replace(rewards_B=r, advantages_B=adv)
+        return Rollout(arrays, batch, ema)
 
     def score(self, teacher_params, rollout: Rollout, reference_params=None) -> TrainBatch:
-        args = (teacher_params, rollout.prompt_BxP, rollout.prompt_mask_BxP, rollout.sample, rollout.advantages_B)
+        args = (teacher_params, rollout.arrays)
         if self.uses_reference:
             if reference_params is None:
-                raise ValueError(f"RunConfig.rl.kl_coef={self.loss_cfg.kl_coef}: OPDStep.score needs the reference "
+                raise ValueError(f"RunConfig.loss.kl_coef={self.loss_cfg.kl_coef}: OPDStep.score needs the reference "
                                  f"params (the starting student, `place_reference`)")
             args += (reference_params,)
         return self.score_fn(*args)
@@ -305,22 +273,23 @@ class OPDStep:
         from jax.experimental import multihost_utils
         return multihost_utils.global_array_to_host_local_array(tree, self.mesh, self.shardings.batch.spec)
 
-    def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray], state: TrainState) -> dict[str, Any]:
-        """Correctness of this process's responses -> per-sequence advantages, as global arrays (and, for the
-        running-mean baseline, the EMA after this step, from the global batch's mean reward)."""
+    def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray], state: TrainState):
+        """The task's rewards of this process's responses -> the kind's per-sequence advantages: (rewards,
+        advantages) as global arrays and, for the running-mean baseline, the EMA after this step (from the
+        global batch's mean reward; else None)."""
         tokens, lengths = (np.asarray(x) for x in self.local_rows((sample.tokens_BxN, sample.lengths_B)))
         texts = [self.tokenizer.decode(t[:n], skip_special_tokens=True) for t, n in zip(tokens, lengths)]
-        rewards = rl.correctness_rewards(texts, batch["answer"])
+        reward_B = rewards.correctness_rewards(TASKS[self.cfg.data.task], texts, batch["answer"])
         running, ema = None, None
         if self.uses_running_baseline:
             decay = self.cfg.rl.baseline_decay
             ema_before, steps_before = jax.device_get((state.reward_ema, state.step))
-            running = rl.running_baseline(ema_before, int(steps_before), decay)
-        adv = rl.sequence_advantages(self.loss_cfg.kind, rewards, self.cfg.rl, running)
-        r, a = host_local_to_global((rewards, adv), self.shardings.batch)
+            running = rewards.running_baseline(ema_before, int(steps_before), decay)
+        adv = self.objective.advantages(reward_B, self.cfg.rl, running)
+        r, a = host_local_to_global((reward_B, adv), self.shardings.batch)
         if self.uses_running_baseline:
-            ema = rl.ema_update(ema_before, float(jax.device_get(jnp.mean(r))), decay)
-        return {"rewards_B": r, "advantages_B": a, "reward_ema": ema}
+            ema = rewards.ema_update(ema_before, float(jax.device_get(jnp.mean(r))), decay)
+        return r, a, ema
 
 
 def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
@@ -348,26 +317,22 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
         cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"])
 
 
-def _running_baseline(kind: str, rl_cfg: rl.RLConfig) -> bool:
-    return kind == "reinforce" and rl_cfg.baseline == "running_mean"
-
-
 def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool
                    ) -> TrainState:
     state = new_train_state(params, optimizer, rng)
     return RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32)) if running_baseline else state
 
 
-def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, loss_cfg: LossConfig,
-               tokenizer=None) -> OPDStep:
+def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tokenizer=None) -> OPDStep:
+    """The step of `cfg`: its loss config is `cfg.loss` resolved against the run (`resolve_loss_config`: masks
+    from `tokenizer`, the sampler's temperature) — one config path, so a caller that wants another loss passes
+    another `cfg`. `tokenizer` also decodes responses for the RL kinds' rewards (None: no masks, no rewards)."""
+    loss_cfg = resolve_loss_config(cfg, tokenizer)
     objective = OBJECTIVES[loss_cfg.kind]
-    rl.check_rl_config(loss_cfg.kind, cfg.rl)
-    loss_cfg = with_rl_settings(loss_cfg, cfg.rl)
-    if not objective.needs_teacher_topk:  # the support options shape the top-K losses only: decided once, here
-        loss_cfg = dataclasses.replace(loss_cfg, support="teacher_topk", support_sampled=False)
+    rewards.check_rl_config(loss_cfg.kind, objective, cfg.rl)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
-    running = _running_baseline(loss_cfg.kind, cfg.rl)
+    running = rewards.uses_running_baseline(objective, cfg.rl)
     sh = step_shardings(cfg, s_cfg, t_cfg, mesh, optimizer, running)
     batch = sh.batch
 
@@ -381,11 +346,11 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, los
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
     dtype = DTYPES[cfg.student.dtype]
-    score = functools.partial(_score, teacher_cfg=t_cfg, student_cfg=s_cfg, loss_cfg=loss_cfg,
+    score = functools.partial(score_rollout, teacher_cfg=t_cfg, student_cfg=s_cfg, loss_cfg=loss_cfg,
                               is_logprobs=cfg.train.is_logprobs, dtype=dtype)
-    # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a sixth positional one
+    # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
-    in_sh = (sh.teacher, batch, batch, batch, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
+    in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),

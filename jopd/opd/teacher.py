@@ -1,19 +1,90 @@
-"""Teacher scoring: the frozen teacher's forward on prompt + response, reduced to what the loss kind reads
-(top-K ids and log-probs, computed chunk by chunk so no [B, N, V] tensor is kept; the log-prob of every
-sampled token; the full logits only for the full-vocabulary comparison losses)."""
+"""The scoring stage of the OPD step: the frozen teacher's forward on prompt + response, reduced to what the loss
+kind reads (top-K ids and log-probs of its full softmax, computed chunk by chunk so no [B, N, V] tensor is kept;
+the log-prob of every sampled token; the full logits only for the full-vocabulary comparison losses), and the
+frozen reference's log-probs for the RL kinds' KL term; `score_rollout` assembles the train step's input."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 
-from jopd.losses import LossConfig, teacher_scores
-from jopd.losses.objectives import OBJECTIVES
+from jopd.losses import LossBatch, LossConfig
+from jopd.losses.chunked import chunked_logits_map, head_params
+from jopd.losses.kinds import OBJECTIVES
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
-from jopd.opd.batch import SequenceLayout
+from jopd.opd.batch import RolloutArrays, SequenceLayout, TrainBatch, sequence_layout
+
+
+def teacher_scores(
+    teacher_hidden_BxTxD: Float[Array, "B T D"],
+    teacher_params: Mapping[str, Any],
+    *,
+    k: int,
+    chunk: int,
+    targets_BxT: Int[Array, "B T"] | None = None,
+    temperature: float = 1.0,
+    dtype=jnp.float32,
+    extra_ids_BxTxE: Int[Array, "B T E"] | None = None,
+) -> dict[str, jax.Array]:
+    """Teacher top-K of its FULL softmax (at `temperature`), computed chunk by chunk; no gradient.
+
+    Returns `LossBatch` fields: teacher_topk_ids_BxTxK int32, teacher_topk_logprobs_BxTxK fp32 (log-probs under
+    the full-vocabulary softmax, descending), and, when `targets_BxT` is given, teacher_target_logprobs_BxT
+    (log pi_t of each target token, for sampled-token OPD). With `extra_ids_BxTxE` (e.g. the student's top-K
+    ids, the sampled token) the support is the teacher's top-K followed by those ids, [B, T, K + E], scored at
+    the same softmax, and `support_mask_BxTxK` marks each id's first occurrence (a repeated id counts once).
+    """
+    hidden = jax.lax.stop_gradient(teacher_hidden_BxTxD)
+    params = jax.lax.stop_gradient(head_params(teacher_params))
+    V = (params["lm_head"].shape[-1] if "lm_head" in params else params["embed"].shape[0])
+    if not 1 <= k <= V:
+        raise ValueError(f"teacher top-K: k={k} must be in [1, vocab={V}]")
+
+    def fn(logits_BxCxV, inp):
+        # top-K of the logits, normalized afterwards: no [B, C, V] log-softmax is materialized
+        z = logits_BxCxV / temperature
+        lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+        values, ids = jax.lax.top_k(z, k)
+        ids = ids.astype(jnp.int32)
+        if "extra" in inp:
+            extra = inp["extra"].astype(jnp.int32)
+            ids = jnp.concatenate([ids, extra], axis=-1)
+            values = jnp.concatenate([values, jnp.take_along_axis(z, extra, axis=-1)], axis=-1)
+            K = ids.shape[-1]
+            earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [i, j]: j comes before i
+            repeated = jnp.any((ids[..., :, None] == ids[..., None, :]) & earlier, axis=-1)
+        out = {"teacher_topk_ids_BxTxK": ids, "teacher_topk_logprobs_BxTxK": values - lse}
+        if "extra" in inp:
+            out["support_mask_BxTxK"] = ~repeated
+        if "targets" in inp:
+            t = inp["targets"].astype(jnp.int32)[..., None]
+            out["teacher_target_logprobs_BxT"] = (jnp.take_along_axis(z, t, axis=-1) - lse)[..., 0]
+        return out
+
+    inputs = {} if targets_BxT is None else {"targets": targets_BxT}
+    if extra_ids_BxTxE is not None:
+        inputs["extra"] = extra_ids_BxTxE
+    return chunked_logits_map(fn, params, hidden, inputs, chunk, dtype=dtype, remat=False)
+
+
+def teacher_topk(
+    teacher_hidden_BxTxD: Float[Array, "B T D"],
+    teacher_params: Mapping[str, Any],
+    k: int,
+    chunk: int,
+    *,
+    temperature: float = 1.0,
+    dtype=jnp.float32,
+) -> tuple[Int[Array, "B T K"], Float[Array, "B T K"]]:
+    """(ids_BxTxK int32, logprobs_BxTxK fp32): the teacher's top-K tokens and their full-softmax log-probs."""
+    out = teacher_scores(teacher_hidden_BxTxD, teacher_params, k=k, chunk=chunk, temperature=temperature,
+                         dtype=dtype)
+    return out["teacher_topk_ids_BxTxK"], out["teacher_topk_logprobs_BxTxK"]
 
 
 def support_extra_ids(layout: SequenceLayout, student_topk_ids_BxNxK, loss_cfg: LossConfig):
@@ -41,3 +112,39 @@ def teacher_fields(teacher_params: Any, layout: SequenceLayout, *, teacher_cfg: 
     if OBJECTIVES[loss_cfg.kind].needs_teacher_logits:
         out["teacher_logits_BxTxV"] = transformer.logits_from_hidden(teacher_params, hidden)
     return out
+
+
+def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: ModelConfig, loss_cfg: LossConfig,
+                       dtype) -> jax.Array:
+    """log pi_ref(target) [B, N] of the frozen reference at the loss temperature, chunked like the teacher's
+    scores and in the trainer's dtype (so the k3 KL to the starting student is 0 before the first update)."""
+    N = layout.targets_BxN.shape[1]
+    hidden = transformer.response_hidden(reference_params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N,
+                                         dtype=dtype)
+    out = teacher_scores(hidden, reference_params, k=1, chunk=loss_cfg.chunk_size, targets_BxT=layout.targets_BxN,
+                         temperature=loss_cfg.temperature, dtype=dtype)
+    return out["teacher_target_logprobs_BxT"]
+
+
+def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None, *, teacher_cfg: ModelConfig,
+                  student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str, dtype) -> TrainBatch:
+    """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
+    the response-aligned loss fields: the teacher's, the sampler's log-probs, advantages, the reference's)."""
+    sample = rollout.sample
+    layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
+    teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
+                             student_topk_ids_BxNxK=sample.topk_ids_BxNxK)
+    # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
+    # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
+    # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)
+    is_lp = sample.unprocessed_logprobs_BxN if is_logprobs == "unprocessed" else sample.logprobs_BxN
+    advantages = None
+    if rollout.advantages_B is not None:
+        advantages = jnp.broadcast_to(rollout.advantages_B[:, None], layout.targets_BxN.shape).astype(jnp.float32)
+    reference = None
+    if reference_params is not None:
+        reference = reference_logprobs(reference_params, layout, model_cfg=student_cfg, loss_cfg=loss_cfg, dtype=dtype)
+    loss = LossBatch(targets_BxT=layout.targets_BxN, response_mask_BxT=layout.response_mask_BxN,
+                     sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
+                     advantages_BxT=advantages, reference_logprobs_BxT=reference, **teacher)
+    return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)

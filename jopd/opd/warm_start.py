@@ -21,6 +21,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jopd.data.pipeline import DataConfig, train_iterator
+from jopd.data.tasks import TASKS
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
@@ -68,8 +69,7 @@ def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str
     fields = {
         "v": _FORMAT_VERSION, "role": role, "warm": dataclasses.asdict(src.resolved_warm_start()),
         "dtype": src.dtype,
-        "task": dataclasses.asdict(data_cfg.arithmetic) if data_cfg.task == "arithmetic" else
-        [data_cfg.train_path], "lens": [data_cfg.max_prompt_len, data_cfg.max_response_len],
+        "task": TASKS[data_cfg.task].cache_key(data_cfg), "lens": [data_cfg.max_prompt_len, data_cfg.max_response_len],
         "system": data_cfg.system_prompt, "vocab": sorted(tokenizer.get_vocab().items()),
         "template": tokenizer.chat_template,
     }

@@ -6,7 +6,7 @@ own arena cannot hold more than 64 MiB either, so every execution of a program w
 all their pages in again. One arena, no mmap and no trimming keep freed buffers in the heap for the next
 execution.
 
-The trade-off (measured by benchmarks/opd_step.py; figures in README, "Performance"): the update part gets
+The trade-off (measured by benchmarks/opd_step.py; figures in docs/performance.md): the update part gets
 faster, but the sampler's decode loop gets slower (its threads then contend for the one arena), so a full OPD
 step gains nothing and it is off by default. torch in the same process gains most, which is why the TRL
 comparison is reported both ways. The heap also never shrinks after a peak (the memory is reused, not returned

@@ -2,7 +2,7 @@
 
 jaxlib 0.10-0.11 hands dots, reductions and elementwise ops on CPU to the YNNPACK library; for reductions and
 elementwise ops (e.g. the loss's vocabulary-wide logsumexp) its kernels were several times slower than XLA's
-own here, so jopd keeps YNNPACK for dots only (the measured effect: README, "Performance";
+own here, so jopd keeps YNNPACK for dots only (the measured effect: docs/performance.md;
 benchmarks/opd_step.py and sampler.py measure it).
 Only the CPU backend reads these flags; a user's own setting of the same flag wins. Set JOPD_XLA_DEFAULTS=0
 to leave XLA_FLAGS alone.

@@ -73,7 +73,7 @@ class SampleOutput(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SamplerShardings:
-    """Optional placement on a mesh: `params` a pytree of shardings matching the params (e.g. `jopd.parallel.mesh`'s
+    """Optional placement on a mesh: `params` a pytree of shardings matching the params (e.g. `jopd.parallel.rules`'
     param_shardings with the sample rules), `batch` one sharding for every array with a leading batch axis
     (its spec names the batch dim only), `cache` a sharding for every per-layer [B, K, S, Dh] cache buffer
     (`transformer.init_cache`) or a dict {"k": ..., "v": ...} of them."""

@@ -131,7 +131,7 @@ def test_too_long_inputs_name_problem_and_field(tok, jsonl_cfg, tmp_path):
 
 
 def test_data_config_errors():
-    with pytest.raises(ConfigError, match=r"DataConfig.task: Input should be 'arithmetic' or 'jsonl'"):
+    with pytest.raises(ConfigError, match=r"^DataConfig.task: unknown task 'gsm' \(registered: arithmetic, jsonl"):
         build(DataConfig, {"task": "gsm"})
     with pytest.raises(ConfigError, match=r"DataConfig.arithmetic.max_steps: Input should be less than"):
         build(DataConfig, {"arithmetic": {"max_steps": 60}})

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jopd.losses import LossBatch, LossConfig, teacher_scores, teacher_topk, token_loss, token_loss_from_logits
+from jopd.losses import LossBatch, LossConfig, token_loss, token_loss_from_logits
+from jopd.opd.teacher import teacher_scores, teacher_topk
 from jopd.models import transformer as tfm
 from jopd.models.config import ModelConfig
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax, logsumexp
 
-from jopd.losses import LossBatch, LossConfig, teacher_scores, token_loss_from_logits
+from jopd.losses import LossBatch, LossConfig, token_loss_from_logits
+from jopd.opd.teacher import teacher_scores
 from jopd.losses.masks import loss_mask
 
 B, T, V, K = 2, 5, 13, 3

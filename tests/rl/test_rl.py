@@ -5,25 +5,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jopd import rl
-from jopd.losses import LossBatch, LossConfig, token_loss_from_logits
+from jopd.data.tasks import TASKS
+from jopd.losses import LossBatch, LossConfig, RLConfig, token_loss_from_logits
+from jopd.losses import advantages as adv_lib
+from jopd.losses.kinds import OBJECTIVES
+from jopd.opd import rewards as rl
 
 
 def test_grpo_advantages_are_group_normalized():
     rewards = np.array([1, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 1], np.float32)  # 3 prompts x 4 samples
-    adv = rl.grpo_advantages(rewards, 4)
+    adv = adv_lib.grpo_advantages(rewards, 4)
     g = rewards.reshape(3, 4)
     expected = (g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(adv, expected.reshape(-1), rtol=1e-6)
     assert np.all(adv[4:8] == 0)  # all-correct group: no signal
-    np.testing.assert_allclose(rl.grpo_advantages(rewards, 4, normalize_std=False),
+    np.testing.assert_allclose(adv_lib.grpo_advantages(rewards, 4, normalize_std=False),
                                (g - g.mean(1, keepdims=True)).reshape(-1))
 
 
 def test_reinforce_baseline_and_rewards():
-    rewards = rl.correctness_rewards(["so #### 12", "#### 7", "no answer"], ["12", "8", "3"])
+    rewards = rl.correctness_rewards(TASKS['arithmetic'], ["so #### 12", "#### 7", "no answer"], ["12", "8", "3"])
     np.testing.assert_array_equal(rewards, [1, 0, 0])
-    np.testing.assert_allclose(rl.reinforce_advantages(rewards), rewards - 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(adv_lib.reinforce_advantages(rewards), rewards - 1 / 3, rtol=1e-6)
 
 
 def test_repeat_for_groups_is_consecutive():
@@ -56,54 +59,58 @@ def test_grpo_advantages_zero_mean_unit_scale_and_all_equal_groups():
     rewards[:8] = 1.0  # two all-correct groups
     rewards[8:12] = 0.0  # one all-wrong group
     for normalize in (True, False):
-        g = rl.grpo_advantages(rewards, 4, normalize_std=normalize).reshape(16, 4)
+        g = adv_lib.grpo_advantages(rewards, 4, normalize_std=normalize).reshape(16, 4)
         np.testing.assert_allclose(g.mean(1), 0.0, atol=1e-6)
         assert np.all(g[:3] == 0.0)  # all-equal groups: no signal, exactly
-    g = rl.grpo_advantages(rewards, 4).reshape(16, 4)
+    g = adv_lib.grpo_advantages(rewards, 4).reshape(16, 4)
     mixed = rewards.reshape(16, 4).std(1) > 0
     np.testing.assert_allclose(g[mixed].std(1), 1.0, rtol=1e-4)  # unit scale (population std, as normalized)
     with pytest.raises(ValueError, match="group_size=3 does not divide the rollout batch 64"):
-        rl.grpo_advantages(rewards, 3)
+        adv_lib.grpo_advantages(rewards, 3)
 
 
 def test_leave_one_out_baseline_matches_the_formula():
     rewards = np.random.default_rng(1).integers(0, 2, 9).astype(np.float32)
-    adv = rl.reinforce_advantages(rewards, "leave_one_out")
+    adv = adv_lib.reinforce_advantages(rewards, "leave_one_out")
     expected = [rewards[i] - np.mean(np.delete(rewards, i)) for i in range(len(rewards))]
     np.testing.assert_allclose(adv, expected, rtol=1e-6, atol=1e-7)
     # = n / (n - 1) x the batch-mean advantage
-    np.testing.assert_allclose(adv, 9 / 8 * rl.reinforce_advantages(rewards), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(adv, 9 / 8 * adv_lib.reinforce_advantages(rewards), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="leave_one_out needs >= 2 rollouts"):
-        rl.reinforce_advantages(rewards[:1], "leave_one_out")
+        adv_lib.reinforce_advantages(rewards[:1], "leave_one_out")
 
 
 def test_running_baseline_is_the_bias_corrected_ema_of_previous_batch_means():
     means, decay = [0.1, 0.5, 0.3, 0.9], 0.8
     ema = np.float32(0.0)
     assert rl.running_baseline(ema, 0, decay) is None  # no history: the batch mean is used
-    np.testing.assert_allclose(rl.reinforce_advantages(np.array([1, 0], np.float32), "running_mean", None), [0.5, -0.5])
+    np.testing.assert_allclose(adv_lib.reinforce_advantages(np.array([1, 0], np.float32), "running_mean", None), [0.5, -0.5])
     for n, m in enumerate(means, start=1):
         ema = rl.ema_update(ema, m, decay)
         assert isinstance(ema, np.float32)
         w = decay ** np.arange(n - 1, -1, -1)  # weights of batches 1..n
         np.testing.assert_allclose(rl.running_baseline(ema, n, decay), np.sum(w * means[:n]) / w.sum(), rtol=1e-6)
-    np.testing.assert_allclose(rl.reinforce_advantages(np.array([1, 0], np.float32), "running_mean", 0.25),
+    np.testing.assert_allclose(adv_lib.reinforce_advantages(np.array([1, 0], np.float32), "running_mean", 0.25),
                                [0.75, -0.25])
 
 
 def test_rl_settings_a_kind_cannot_honour_are_one_line_errors():
     from jopd.config_dataclass import ConfigError, build
 
-    with pytest.raises(ValueError, match=r"rl.inner_updates=2: only loss.kind=grpo .* got loss.kind=reinforce"):
-        rl.check_rl_config("reinforce", rl.RLConfig(inner_updates=2))
-    with pytest.raises(ValueError, match=r"rl.baseline=leave_one_out: applies to loss.kind=reinforce only"):
-        rl.check_rl_config("grpo", rl.RLConfig(baseline="leave_one_out"))
-    rl.check_rl_config("grpo", rl.RLConfig(inner_updates=4))
-    for field, value in (("clip_eps", 0.0), ("inner_updates", 0), ("baseline_decay", 1.0), ("kl_coef", -1)):
+    with pytest.raises(ValueError, match=r"rl.inner_updates=2: loss.kind=reinforce does not reuse a rollout batch"):
+        rl.check_rl_config("reinforce", OBJECTIVES["reinforce"], RLConfig(inner_updates=2))
+    with pytest.raises(ValueError, match=r"rl.baseline=leave_one_out: loss.kind=grpo does not use it"):
+        rl.check_rl_config("grpo", OBJECTIVES["grpo"], RLConfig(baseline="leave_one_out"))
+    rl.check_rl_config("grpo", OBJECTIVES["grpo"], RLConfig(inner_updates=4))
+    rl.check_rl_config("reinforce", OBJECTIVES["reinforce"], RLConfig(baseline="leave_one_out"))
+    for field, value in (("inner_updates", 0), ("baseline_decay", 1.0)):
         with pytest.raises(ConfigError, match=rf"^rl\.{field}: "):
-            build(rl.RLConfig, {field: value}, "rl")
+            build(RLConfig, {field: value}, "rl")
+    for field, value in (("clip_eps", 0.0), ("kl_coef", -1)):  # the per-token settings are the loss's
+        with pytest.raises(ConfigError, match=rf"^loss\.{field}: "):
+            build(LossConfig, {field: value}, "loss")
     with pytest.raises(ConfigError, match=r"^rl\.baseline: "):
-        build(rl.RLConfig, {"baseline": "median"}, "rl")
+        build(RLConfig, {"baseline": "median"}, "rl")
 
 
 @pytest.mark.parametrize("baseline", ["batch_mean", "leave_one_out", "running_mean"])
@@ -121,7 +128,7 @@ def test_reinforce_on_a_two_armed_bandit_raises_the_expected_reward(baseline):
         arms = rng.random(32) < float(jax.nn.softmax(theta)[1])
         rewards = (rng.random(32) < pay[arms.astype(int)]).astype(np.float32)
         running = rl.running_baseline(ema, step, 0.9)
-        adv = rl.sequence_advantages("reinforce", rewards, rl.RLConfig(baseline=baseline), running)
+        adv = OBJECTIVES["reinforce"].advantages(rewards, RLConfig(baseline=baseline), running)
         ema = rl.ema_update(ema, rewards.mean(), 0.9)
         batch = LossBatch(targets_BxT=jnp.asarray(arms[:, None].astype(np.int32)),
                           response_mask_BxT=jnp.ones((32, 1), bool), advantages_BxT=jnp.asarray(adv[:, None]))
@@ -129,3 +136,22 @@ def test_reinforce_on_a_two_armed_bandit_raises_the_expected_reward(baseline):
     assert start == pytest.approx(0.5)
     assert expected(theta) > 0.7, (baseline, expected(theta))  # most of the way to the optimum 0.8
     assert float(jax.nn.softmax(theta)[1]) > 0.8
+
+
+def test_rl_per_token_settings_from_older_configs_land_in_the_loss_config(tmp_path):
+    """`rl.kl_coef` / `clip_eps` / `clip_eps_high` / `token_sum_norm` are `loss.*` now; a run's saved config from
+    before (both copies, the loss one at its default) and a command-line `rl.*` override still load."""
+    import yaml
+
+    from jopd.config_dataclass import ConfigError
+    from jopd.opd.run_config import load_config
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({"rl": {"group_size": 2, "kl_coef": 0.05, "clip_eps": 0.3, "token_sum_norm": True},
+                                     "loss": {"kind": "grpo", "kl_coef": 0.0, "clip_eps": 0.2}}))
+    cfg = load_config(str(saved))
+    assert (cfg.loss.kl_coef, cfg.loss.clip_eps, cfg.loss.token_sum_norm, cfg.rl.group_size) == (0.05, 0.3, True, 2)
+    assert load_config(None, ["rl.kl_coef=0.1"]).loss.kl_coef == 0.1
+    assert load_config(str(saved), ["loss.kl_coef=0.2", "rl.kl_coef=0.0"]).loss.kl_coef == 0.2
+    with pytest.raises(ConfigError, match=r"^RunConfig.rl.kl_coef=0.1 and loss.kl_coef=0.2: set loss.kl_coef only"):
+        load_config(None, ["rl.kl_coef=0.1", "loss.kl_coef=0.2"])

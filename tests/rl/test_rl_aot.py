@@ -1,5 +1,5 @@
 """`jopd aot` lowers the RL step's extra pieces: the reference params (the sixth argument of score_fn when
-rl.kl_coef > 0) and the running-mean baseline's train state."""
+loss.kl_coef > 0) and the running-mean baseline's train state."""
 
 from jopd.opd import aot
 from jopd.opd.run_config import load_config
@@ -9,7 +9,7 @@ TINY = ["data.batch_size=8", "data.max_prompt_len=16", "sampling.max_new_tokens=
 
 
 def test_aot_lowers_the_reference_and_the_running_baseline_state():
-    grpo = aot.compile_opd_step(load_config(None, TINY + ["loss.kind=grpo", "rl.kl_coef=0.05", "rl.inner_updates=2"]),
+    grpo = aot.compile_opd_step(load_config(None, TINY + ["loss.kind=grpo", "loss.kl_coef=0.05", "rl.inner_updates=2"]),
                                 stages=("teacher_scoring", "train_step"), progress=False)
     assert [s.error for s in grpo.stages] == [None, None] and grpo.shapes["batch"] == 16
     # the reference is one copy of the params; the train state holds three (params, Adam's two moments) + scalars

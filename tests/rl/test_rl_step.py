@@ -16,7 +16,7 @@ from jopd.data.toy_tokenizer import build_toy_tokenizer
 from jopd.opd.loop import train
 from jopd.opd import model_sources
 from jopd.opd.run_config import load_config
-from jopd.opd.step import build_step, resolve_loss_config
+from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
 from tests.helpers.tiny_params import numpy_params
 
@@ -33,7 +33,7 @@ def _random_step(*overrides):
     cfg = load_config(None, RANDOM + list(overrides))
     s_cfg, t_cfg = (model_sources.testbed_model_config(src, tok) for src in (cfg.student, cfg.teacher))
     mesh = M.make_mesh(cfg.mesh, jax.devices()[:1])
-    step = build_step(cfg, s_cfg, t_cfg, mesh, resolve_loss_config(cfg, tok), tok)
+    step = build_step(cfg, s_cfg, t_cfg, mesh, tok)
     student = numpy_params(s_cfg, 0, layer_scale=5.0, head_scale=20.0)  # peaked, context-dependent
     teacher = jax.device_put(numpy_params(t_cfg, 1), step.shardings.teacher)
     batch = next(train_iterator(cfg.data, tok, kind="prompt"))
@@ -46,7 +46,7 @@ def _adam_count(state) -> int:
 
 
 def test_ratio_is_one_at_the_first_inner_update_when_sampler_equals_trainer():
-    step, student, teacher, batch = _random_step("rl.inner_updates=3", "rl.kl_coef=0.1")
+    step, student, teacher, batch = _random_step("rl.inner_updates=3", "loss.kl_coef=0.1")
     state = step.init_state(student)
     reference = step.place_reference(student)
     with jax.set_mesh(step.mesh):
@@ -62,7 +62,7 @@ def test_ratio_is_one_at_the_first_inner_update_when_sampler_equals_trainer():
     sample = jax.device_get(rollout.sample)
     valid = np.arange(8)[None] < sample.lengths_B[:, None]
     assert np.max(np.where(valid, sample.logprobs_BxN - sample.unprocessed_logprobs_BxN, 0.0)) > 1e-3
-    with pytest.raises(ValueError, match=r"rl.kl_coef=0.1: OPDStep.score needs the reference params"):
+    with pytest.raises(ValueError, match=r"loss.kl_coef=0.1: OPDStep.score needs the reference params"):
         step.score(teacher, rollout)
 
     # the step: 3 optimizer updates on one scored batch, one step on the counter the loop and resume use
@@ -111,7 +111,7 @@ def test_tiny_grpo_run_raises_the_training_reward(cache):
     (s_cfg, student, _), (t_cfg, teacher, _) = (model_sources.get_model(r, getattr(cfg, r), cfg, tok)
                                                 for r in ("student", "teacher"))
     # one device (the loop would take all 8 simulated ones: the same step, several times slower on 2 cores)
-    step = build_step(cfg, s_cfg, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:1]), resolve_loss_config(cfg, tok), tok)
+    step = build_step(cfg, s_cfg, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:1]), tok)
     state, teacher = step.init_state(student), jax.device_put(teacher, step.shardings.teacher)
     it = train_iterator(cfg.data, tok, kind="prompt")
     rewards = []

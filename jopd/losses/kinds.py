@@ -1,0 +1,87 @@
+"""The registry of loss kinds: one `Objective` entry per kind says everything the trainer and the OPD step need
+to know about it — its per-position terms, its reduction, its advantages (RL kinds), and what it reads from the
+batch. `LossConfig.kind` validates against this registry, so a kind registered from a user's module (see
+docs/extending.md) is configured, scored and trained exactly like a built-in one.
+
+    OBJECTIVES.add("my_kind", Objective(chunk_fields=(...), after_fields=(), per_position=fn, reduce=...))
+
+Built-in kinds: `jopd.losses.builtin`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jopd.registry import Registry
+
+if TYPE_CHECKING:
+    from jopd.losses.batch import LossBatch
+    from jopd.losses.config import LossConfig, RLConfig
+
+Metrics = dict[str, jax.Array]
+# (cfg, student logits of one chunk [B, C, V] at the loss temperature, the chunk's inputs) -> {name: [B, C, ...]}
+PerPosition = Callable[["LossConfig", jax.Array, Mapping[str, jax.Array]], dict[str, jax.Array]]
+# (cfg, log pi_s(target) [B, T] (differentiable), the chunked terms, the batch, the loss mask [B, T], the IS
+# weights [B, T]) -> (per-position loss [B, T], the weights to apply, metrics)
+Reduce = Callable[["LossConfig", jax.Array, Mapping[str, jax.Array], "LossBatch", jax.Array, jax.Array],
+                  tuple[jax.Array, jax.Array, Metrics]]
+# (rewards [B] of this process's rollouts, the run's rl settings, the running baseline or None) -> advantages [B]
+Advantages = Callable[[Any, "RLConfig", "float | None"], Any]
+
+
+def divergence_reduce(cfg, logp, terms, batch, mask, weights):
+    """The default reduction: minimize the chunk terms' `divergence` per position."""
+    from jopd.losses.masks import masked_mean
+
+    per_position = terms["divergence"]
+    return per_position, weights, {"divergence": masked_mean(jax.lax.stop_gradient(per_position), mask)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """One loss kind.
+
+    `chunk_fields`: `LossBatch` fields read per logits chunk (sliced with the hidden states); `after_fields`:
+    fields read by `reduce`. `per_position`: the kind's terms from one chunk of student logits. `reduce`: the
+    per-position loss, the weights and the kind's metrics from those terms (default: the `divergence` term).
+    `support_ids` names a [B, T, K] ids field when the gradient needs the student logits at those ids only: the
+    full logits are then stop-gradient and `inputs["support_logits"]` carries the differentiable ones.
+    RL kinds: `advantages` computes per-sequence advantages from correctness rewards on the host (the step then
+    hands them in `advantages_BxT`); `grouped`: rollouts come in groups of `rl.group_size` per prompt;
+    `reuses_rollouts`: it may take `rl.inner_updates > 1` updates per rollout batch; `baselines`: the
+    `rl.baseline` values it honours; `reads_reference`: with `loss.kl_coef > 0` it reads the frozen starting
+    student's log-probs (`reference_logprobs_BxT`)."""
+
+    chunk_fields: tuple[str, ...]
+    after_fields: tuple[str, ...]
+    per_position: PerPosition
+    reduce: Reduce = divergence_reduce
+    support_ids: str | None = None
+    advantages: Advantages | None = None
+    grouped: bool = False
+    reuses_rollouts: bool = False
+    baselines: tuple[str, ...] = ("batch_mean",)
+    reads_reference: bool = False
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return ("targets_BxT", "response_mask_BxT") + self.chunk_fields + self.after_fields
+
+    @property
+    def uses_rewards(self) -> bool:
+        return self.advantages is not None
+
+    @property
+    def needs_teacher_logits(self) -> bool:
+        return "teacher_logits_BxTxV" in self.fields
+
+    @property
+    def needs_teacher_topk(self) -> bool:
+        return "teacher_topk_ids_BxTxK" in self.fields
+
+
+OBJECTIVES: Registry[Objective] = Registry("loss kind")
