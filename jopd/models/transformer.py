@@ -178,7 +178,16 @@ def _attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, dtype):
 def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cache, v_cache, write_index,
            mask_BxTxS, dtype):
     """One block. With a cache (this layer's [B,K,S,Dh] buffers), the new K/V are written at slot `write_index`
-    and attention reads the whole buffer."""
+    (a scalar, or one slot per row: [B]) and attention reads the whole buffer."""
+
+    def _write_cache(cache_BxKxSxDh, new_BxKxTxDh):
+        new = new_BxKxTxDh.astype(cache_BxKxSxDh.dtype)
+        if jnp.ndim(write_index) == 0:
+            return jax.lax.dynamic_update_slice(cache_BxKxSxDh, new, (0, 0, write_index, 0))
+        B, _, T, _ = new.shape  # per-row slots (the slot engine's rows are at different steps): a scatter
+        slots_BxT = write_index[:, None] + jnp.arange(T)[None, :]
+        return cache_BxKxSxDh.at[jnp.arange(B)[:, None], :, slots_BxT, :].set(new.transpose(0, 2, 1, 3))
+
     prec = _precision(dtype)
     w = lambda name: lp[name].astype(dtype)  # noqa: E731
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
@@ -194,8 +203,7 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
     k = apply_rope(k, positions_BxT, inv_freq)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,Dh]
     if k_cache is not None:
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, write_index, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, write_index, 0))
+        k_cache, v_cache = _write_cache(k_cache, k), _write_cache(v_cache, v)
         k_all, v_all = k_cache.astype(dtype), v_cache.astype(dtype)
     else:
         k_all, v_all = k, v
@@ -263,7 +271,7 @@ def forward(
     attn_mask_BxT: Bool[Array, "B T"] | None = None,
     positions_BxT: Int[Array, "B T"] | None = None,
     cache: KVCache | None = None,
-    cache_index: Int[Array, ""] | int = 0,
+    cache_index: Int[Array, ""] | Int[Array, "B"] | int = 0,
     kv_mask_BxS: Bool[Array, "B S"] | None = None,
     dtype=jnp.float32,
     logits_dtype=jnp.float32,
@@ -274,7 +282,8 @@ def forward(
 
     Without a cache, token i attends to tokens j <= i with `attn_mask_BxT[j]` set (padding on either side).
     With a cache of S slots, the T new tokens occupy slots [cache_index, cache_index + T) and attend to
-    slots j <= their own where `kv_mask_BxS[j]` is set (the caller marks real tokens, the new ones included).
+    slots j <= their own where `kv_mask_BxS[j]` is set (the caller marks real tokens, the new ones included);
+    `cache_index` may give each row its own first slot ([B]: rows at different decode steps).
     Positions default to `positions_from_mask(attn_mask)` (or 0..T-1 without a mask).
     With a cache, or params whose `layers` are already unstacked (`unstack_layers`), the layers run as an
     unrolled loop; otherwise as a `lax.scan` over the stacked layers.
@@ -295,8 +304,12 @@ def forward(
         S = cache["k"][0].shape[2]
         if kv_mask_BxS is None:
             kv_mask_BxS = jnp.ones((B, S), bool)
-        q_slot = cache_index + jnp.arange(T)
-        mask = (jnp.arange(S)[None, :] <= q_slot[:, None])[None] & kv_mask_BxS[:, None, :].astype(bool)
+        if jnp.ndim(cache_index) == 0:
+            q_slot = cache_index + jnp.arange(T)
+            mask = (jnp.arange(S)[None, :] <= q_slot[:, None])[None] & kv_mask_BxS[:, None, :].astype(bool)
+        else:  # one write slot per row
+            q_slot_BxT = cache_index[:, None] + jnp.arange(T)[None, :]
+            mask = (jnp.arange(S)[None, None, :] <= q_slot_BxT[:, :, None]) & kv_mask_BxS[:, None, :].astype(bool)
 
     def layer_fn(lp, x, k_l, v_l):
         x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, mask, dtype)

@@ -48,6 +48,12 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # stop tokens in addition to the model config's eos ids
     return_full_logprobs: bool = False  # also return the unprocessed log-softmax per step, [B, N, V] fp32
     return_topk: Annotated[int, pydantic.Field(ge=0)] = 0  # also return each step's top-k token ids [B, N, k]
+    # Decode slots of the slot engine (`jopd.sampling.slots`): a finished row's slot takes the next pending row
+    # at once; 0: the static engine (every row of a batch decodes until the longest stops). Same samples.
+    slots: Annotated[int, pydantic.Field(ge=0)] = 0
+    # Rollouts per prompt for OPD (GRPO's are `rl.group_size`): a prompt is prefilled once and its samples
+    # start from copies of its KV cache (the slot engine); `data.batch_size` counts prompts.
+    samples_per_prompt: Annotated[int, pydantic.Field(ge=1)] = 1
     # Speed knob, same results: the top-p cut bisects until at most this many tokens sit at the boundary,
     # then ranks those exactly (no sort of the vocabulary; see `nucleus_threshold`).
     top_p_candidates: Annotated[int, pydantic.Field(gt=0)] = 128
@@ -113,8 +119,11 @@ def row_randomness(seed: int, indices: Sequence[int] | np.ndarray, max_new_token
 
 
 def _noise_BxV(noise_key_data_Bx2, t, shape_V):
+    """Each row's logit noise at its step t (a scalar, or one step per row)."""
     keys = jax.random.wrap_key_data(noise_key_data_Bx2, impl="threefry2x32")
-    return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, t), shape_V, jnp.float32))(keys)
+    if jnp.ndim(t) == 0:
+        return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, t), shape_V, jnp.float32))(keys)
+    return jax.vmap(lambda k, s: jax.random.normal(jax.random.fold_in(k, s), shape_V, jnp.float32))(keys, t)
 
 
 def _take(x_BxC, idx_B):
@@ -245,8 +254,9 @@ def choose_tokens(scaled_BxV: Float[Array, "B V"], u_B: Float[Array, "B"], sampl
     return tok.astype(jnp.int32), logp
 
 
-def _step_logits(logits_BxV, noise_key_data_Bx2, t, precision: PrecisionConfig, temperature: float):
-    """Raw logits (already rounded to the logits dtype) -> noisy, temperature-scaled fp32 logits."""
+def step_logits(logits_BxV, noise_key_data_Bx2, t, precision: PrecisionConfig, temperature: float):
+    """Raw logits (already rounded to the logits dtype) -> noisy, temperature-scaled fp32 logits (each row's
+    noise at its step t: a scalar, or [B])."""
     z = logits_BxV.astype(jnp.float32)
     if precision.logit_noise > 0:  # static skip: sigma == 0 is bit-identical to no noise
         z = z + precision.logit_noise * _noise_BxV(noise_key_data_Bx2, t, z.shape[1:])
@@ -255,6 +265,13 @@ def _step_logits(logits_BxV, noise_key_data_Bx2, t, precision: PrecisionConfig, 
 
 # ---------------------------------------------------------------------------------------------
 # the compiled program
+
+
+def stop_and_pad_ids(cfg: ModelConfig, sampling: SamplingConfig) -> tuple[jax.Array, int]:
+    """The ids that end a row (the model's EOS ids and `stop_token_ids`) and the id written after its end."""
+    stop_ids = jnp.asarray(sorted(set(cfg.eos_ids) | set(sampling.stop_token_ids)) or [-1], jnp.int32)
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids or (0,))[0]
+    return stop_ids, pad_id
 
 
 def sample_padded(
@@ -278,8 +295,7 @@ def sample_padded(
     V = cfg.vocab_size
     params = transformer.unstack_layers(params)  # outside the decode loop; a no-op for `stages.sync` output
     fwd = dict(cfg=cfg, dtype=precision.dtype, logits_dtype=precision.logits_jnp_dtype)
-    stop_ids = jnp.asarray(sorted(set(cfg.eos_ids) | set(sampling.stop_token_ids)) or [-1], jnp.int32)
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_ids or (0,))[0]
+    stop_ids, pad_id = stop_and_pad_ids(cfg, sampling)
     mask = prompt_mask_BxP.astype(bool)
     kv_mask_BxS = jnp.concatenate([mask, jnp.ones((B, N), bool)], axis=1)
     n_prompt_B = jnp.sum(mask, axis=1, dtype=jnp.int32)
@@ -291,7 +307,7 @@ def sample_padded(
                                                 logits_dtype=precision.logits_jnp_dtype)[:, 0]
 
     def pick(logits_BxV, t, done_B):
-        scaled = _step_logits(logits_BxV, rand.noise_key_data_Bx2, t, precision, sampling.temperature)
+        scaled = step_logits(logits_BxV, rand.noise_key_data_Bx2, t, precision, sampling.temperature)
         u_B = jax.lax.dynamic_index_in_dim(rand.uniforms_BxN, t, axis=1, keepdims=False)
         lse = jax.nn.logsumexp(scaled, axis=1)
         tok, logp = choose_tokens(scaled, u_B, sampling, lse)
@@ -379,20 +395,27 @@ def _program_precision(precision: PrecisionConfig) -> PrecisionConfig:
 
 
 def _program_sampling(sampling: SamplingConfig) -> SamplingConfig:
-    return dataclasses.replace(sampling, seed=0)  # the seed only enters through `row_randomness`
+    # the seed only enters through `row_randomness`; the slot count only through the cache shape
+    return dataclasses.replace(sampling, seed=0, slots=0, samples_per_prompt=1)
 
 
-def _bind(cfg, precision, sampling):
+def _bind(cfg, precision, sampling, group: int = 0, shards: int = 1):
+    """The static engine (group 0), or the slot engine for `group` samples per prompt (`jopd.sampling.slots`)."""
+    from jopd.sampling.slots import sample_slots
+
     def fn(params, prompt_BxP, prompt_mask_BxP, rand, cache):
-        return sample_padded(params, prompt_BxP, prompt_mask_BxP, rand, cache, cfg=cfg, precision=precision,
-                             sampling=sampling)
+        if group == 0:
+            return sample_padded(params, prompt_BxP, prompt_mask_BxP, rand, cache, cfg=cfg, precision=precision,
+                                 sampling=sampling)
+        return sample_slots(params, prompt_BxP, prompt_mask_BxP, rand, cache, cfg=cfg, precision=precision,
+                            sampling=sampling, group=group, shards=shards)
     return fn
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(cfg: ModelConfig, precision: PrecisionConfig, sampling: SamplingConfig):
+def _compiled(cfg: ModelConfig, precision: PrecisionConfig, sampling: SamplingConfig, group: int = 0):
     """One jitted program per static setup, shared by all `Sampler`s (jit then caches per shape bucket)."""
-    return jax.jit(_bind(cfg, precision, sampling), donate_argnums=(4,))
+    return jax.jit(_bind(cfg, precision, sampling, group), donate_argnums=(4,))
 
 
 class Sampler:
@@ -401,6 +424,10 @@ class Sampler:
         sampler = Sampler(cfg, SamplingConfig(top_p=0.9, max_new_tokens=64), precision)
         rollout_params = prepare_sampler_params(params, precision, key)   # once per weight sync
         out = sampler.generate(rollout_params, [[1, 2, 3], [4, 5]], seed=0)  # numpy SampleOutput, B = 2
+
+    Two engines, the same samples (`jopd.sampling.slots`): the static one runs every row of a batch until the
+    longest stops; with `sampling.slots` > 0 (or several samples per prompt), the slot engine decodes on that
+    many slots, refilling a finished row's slot with the next pending row, and prefills a shared prompt once.
     """
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, precision: PrecisionConfig | None = None, *,
@@ -413,20 +440,44 @@ class Sampler:
         self.keep_cache = keep_cache
         self._buckets = (min_prompt_bucket, batch_pow2_up_to, prompt_pow2_up_to)
         self._caches: dict[tuple[int, int], transformer.KVCache] = {}
-        if shardings is None:
-            self._fn = _compiled(cfg, _program_precision(self.precision), _program_sampling(sampling))
-        else:
-            b, c = shardings.batch, shardings.cache_dict
-            out = SampleOutput(b, b, b, b, b, b if sampling.return_full_logprobs else None,
-                               b if sampling.return_topk else None, c)
-            self._fn = jax.jit(_bind(cfg, _program_precision(self.precision), _program_sampling(sampling)),
-                               donate_argnums=(4,), in_shardings=(shardings.params, b, b, b, c), out_shardings=out)
+        self._programs: dict[int, Any] = {}
+        self.shards = 1  # batch shards: the slot engine refills a slot from its own shard's rows
+        if shardings is not None:
+            spec = shardings.batch.spec
+            axes = spec[0] if len(spec) else None
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            self.shards = math.prod(shardings.batch.mesh.shape[a] for a in axes)
+
+    def program_for(self, group: int = 0):
+        """The jitted program for `group` samples per prompt (0: the static engine), with this sampler's
+        shardings and the cache donated; e.g. `.lower(params, prompt, mask, rand, cache)` (`jopd.opd.aot`)."""
+        if group not in self._programs:
+            precision, sampling = _program_precision(self.precision), _program_sampling(self.sampling)
+            if self.shardings is None:
+                self._programs[group] = _compiled(self.cfg, precision, sampling, group)
+            else:
+                b, c = self.shardings.batch, self.shardings.cache_dict
+                out = SampleOutput(b, b, b, b, b, b if self.sampling.return_full_logprobs else None,
+                                   b if self.sampling.return_topk else None, c)
+                self._programs[group] = jax.jit(
+                    _bind(self.cfg, precision, sampling, group, self.shards), donate_argnums=(4,),
+                    in_shardings=(self.shardings.params, b, b, b, c), out_shardings=out)
+        return self._programs[group]
 
     @property
     def program(self):
-        """The jitted `sample_padded` program this sampler runs (with its shardings, cache donated); e.g.
-        `sampler.program.lower(params, prompt, mask, rand, cache)` compiles it ahead of time (`jopd.opd.aot`)."""
-        return self._fn
+        """The static engine's program (`program_for(0)`)."""
+        return self.program_for(0)
+
+    def engine(self, rows: int, group: int = 1) -> tuple[int, int]:
+        """(program group, decode slots) for `rows` rows of `group` samples per prompt: the static engine (0,
+        rows), or the slot engine with `sampling.slots` slots (at most the rows; a multiple of the shards)."""
+        slots = self.sampling.slots
+        if slots == 0 and group == 1:
+            return 0, rows
+        slots = rows if slots == 0 else min(slots, rows)
+        slots = max(self.shards, slots - slots % self.shards)
+        return group, slots
 
     def new_cache(self, batch: int, slots: int) -> transformer.KVCache:
         cache = transformer.init_cache(self.cfg, batch, slots, self.precision.cache_dtype)
@@ -435,16 +486,22 @@ class Sampler:
             cache = jax.device_put(cache, {name: tuple(sh[name] for _ in bufs) for name, bufs in cache.items()})
         return cache
 
-    def sample_padded(self, params, prompt_BxP, prompt_mask_BxP, rand: RowRandomness) -> SampleOutput:
-        """Run the compiled program on an already padded batch (device arrays out, cache reused)."""
-        B, P = prompt_BxP.shape
-        slots = P + self.sampling.max_new_tokens
-        cache = self._caches.pop((B, slots), None)
+    def sample_padded(self, params, prompt_UxP, prompt_mask_UxP, rand: RowRandomness, group: int = 1
+                      ) -> SampleOutput:
+        """Run the compiled program on an already padded batch of U prompts, `group` samples each (rand: R = U x
+        group rows, row r samples prompt r // group); device arrays out, the cache reused."""
+        U, P = prompt_UxP.shape
+        rows = rand.uniforms_BxN.shape[0]
+        if rows != U * group:
+            raise ValueError(f"sample_padded: {rows} rows of randomness for {U} prompts x {group} samples each")
+        program, slots = self.engine(rows, group)
+        length = P + self.sampling.max_new_tokens
+        cache = self._caches.pop((slots, length), None)
         if cache is None:
-            cache = self.new_cache(B, slots)
-        out = self._fn(params, prompt_BxP, prompt_mask_BxP, rand, cache)
+            cache = self.new_cache(slots, length)
+        out = self.program_for(program)(params, prompt_UxP, prompt_mask_UxP, rand, cache)
         if self.keep_cache:
-            self._caches[(B, slots)] = out.cache
+            self._caches[(slots, length)] = out.cache
         return out._replace(cache=None)
 
     def pad(self, prompts: Sequence[Sequence[int]], min_batch: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,170 @@
+"""The slot engine: continuous batching within one rollout step, and prompts shared by their samples.
+
+A fixed number of decode slots S serves the step's R rows (R = U prompts x G samples each). The U prompts are
+prefilled once, in one batched pass; a slot takes a row by copying its prompt's KV cache into its own and
+starting from the token the prompt's last position chose for that row. When a row stops, its slot takes the
+next pending row at once, so no decode step is spent on a finished row while rows are pending (the static
+engine, `sampler.sample_padded`, runs every row until the longest stops). Rows are served in order, per batch
+shard (`shards`: a slot takes only rows of its own shard, so no KV cache crosses devices).
+
+A row's sample depends only on its prompt and its randomness (`row_randomness`: one uniform per step, the
+logit-noise key): its slot, its batch-mates and when it started do not enter. Each slot's cache has the static
+engine's layout (prompt in [0, P), response token t at P + t) and each decode step attends over it with the same
+mask, so a row's tokens equal the static engine's and its log-probs agree to float precision (tested).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from jopd.models import transformer
+from jopd.models.config import ModelConfig
+from jopd.sampling.precision import PrecisionConfig
+
+
+def _local_take(x_SHxAx, idx_SHxB):
+    """x [shards * A, ...] gathered at shard-local indices [shards, B] -> [shards * B, ...] (no cross-shard
+    gather: the leading axis stays split over the batch shards)."""
+    shards, b = idx_SHxB.shape
+    x = x_SHxAx.reshape(shards, -1, *x_SHxAx.shape[1:])
+    idx = idx_SHxB.reshape(shards, b, *([1] * (x.ndim - 2)))
+    return jnp.take_along_axis(x, idx, axis=1).reshape(shards * b, *x.shape[2:])
+
+
+def sample_slots(
+    params: transformer.Params,
+    prompt_UxP: Int[Array, "U P"],
+    prompt_mask_UxP: Bool[Array, "U P"],
+    rand,
+    cache: transformer.KVCache,
+    *,
+    cfg: ModelConfig,
+    precision: PrecisionConfig,
+    sampling,
+    group: int = 1,
+    shards: int = 1,
+):
+    """Sample G = `group` responses per left-padded prompt on the cache's S slots; R = U * G rows in prompt
+    order (row r samples prompt r // G with `rand`'s row r). Returns the static engine's `SampleOutput` for the
+    R rows (the slots' cache handed back). Pure; `Sampler` jits it with the cache donated."""
+    from jopd.sampling.sampler import SampleOutput, choose_tokens, step_logits, stop_and_pad_ids
+
+    U, P = prompt_UxP.shape
+    R, N = rand.uniforms_BxN.shape
+    S, _, L, _ = cache["k"][0].shape
+    if R != U * group or L != P + N or S % shards or R % shards or S > R:
+        raise ValueError(f"slot engine: {U} prompts x group {group} != {R} rows, or cache length {L} != P + N = "
+                         f"{P + N}, or {S} slots not a divisor-compatible count <= {R} rows over {shards} shards")
+    Sl, Rl, Ul = S // shards, R // shards, U // shards
+    V = cfg.vocab_size
+    params = transformer.unstack_layers(params)
+    fwd = dict(cfg=cfg, dtype=precision.dtype, logits_dtype=precision.logits_jnp_dtype)
+    stop_ids, pad_id = stop_and_pad_ids(cfg, sampling)
+    mask_UxP = prompt_mask_UxP.astype(bool)
+    n_prompt_U = jnp.sum(mask_UxP, axis=1, dtype=jnp.int32)
+
+    # 1. Prefill every prompt once, into buffers of the slots' length (the static engine's prefill arithmetic).
+    pcache = jax.tree.map(lambda c: jnp.zeros((U,) + c.shape[1:], c.dtype), cache)
+    hidden, pcache = transformer.forward(params, prompt_UxP, attn_mask_BxT=mask_UxP, cache=pcache, cache_index=0,
+                                         positions_BxT=transformer.positions_from_mask(mask_UxP),
+                                         kv_mask_BxS=jnp.concatenate([mask_UxP, jnp.ones((U, N), bool)], axis=1),
+                                         return_hidden=True, **fwd)
+    prompt_kv = jax.tree.map(lambda c: c[:, :, :P], pcache)  # [U, K, P, Dh] per layer
+    logits_UxV = transformer.logits_from_hidden(params, hidden[:, -1:], dtype=precision.dtype,
+                                                logits_dtype=precision.logits_jnp_dtype)[:, 0]
+
+    row_prompt_R = jnp.arange(R) // group  # global prompt of each row (in its row's shard)
+
+    def pick(logits_XxV, rows_X, t_X):
+        """Token t of each given row (its own uniform and noise draw at t), as the static engine picks it."""
+        scaled = step_logits(logits_XxV, rand.noise_key_data_Bx2[rows_X], t_X, precision, sampling.temperature)
+        u = rand.uniforms_BxN[rows_X, t_X]
+        lse = jax.nn.logsumexp(scaled, axis=1)
+        tok, logp = choose_tokens(scaled, u, sampling, lse)
+        ulogp = jnp.take_along_axis(scaled, tok[:, None], axis=1)[:, 0] - lse
+        topk = jax.lax.top_k(scaled, sampling.return_topk)[1] if sampling.return_topk else None
+        return tok, logp, ulogp, scaled - lse[:, None], topk
+
+    # 2. Token 0 of every row, from its prompt's last position (one batched head + pick, not one per refill).
+    all_rows = jnp.arange(R)
+    tok0, logp0, ulogp0, full0, topk0 = pick(logits_UxV[row_prompt_R], all_rows, jnp.zeros((R,), jnp.int32))
+    stop0 = jnp.isin(tok0, stop_ids)
+
+    out = {"tokens": jnp.full((R, N), pad_id, jnp.int32).at[:, 0].set(tok0),
+           "logp": jnp.zeros((R, N), jnp.float32).at[:, 0].set(logp0),
+           "ulogp": jnp.zeros((R, N), jnp.float32).at[:, 0].set(ulogp0),
+           "lengths": jnp.ones((R,), jnp.int32), "done": stop0}
+    if sampling.return_full_logprobs:
+        out["full"] = jnp.zeros((R, N, V), jnp.float32).at[:, 0].set(full0)
+    if sampling.return_topk:
+        out["topk"] = jnp.zeros((R, N, sampling.return_topk), jnp.int32).at[:, 0].set(topk0)
+
+    def global_rows(local_SHxSl):
+        return (jnp.arange(shards)[:, None] * Rl + local_SHxSl).reshape(S)
+
+    def take_rows(state, take_SHxSl, local_SHxSl):
+        """Slots in `take` start their new (shard-local) rows: prompt KV copied in, token 0 already chosen."""
+        rows = global_rows(local_SHxSl)
+        prompts_local = (local_SHxSl // group)
+        take = take_SHxSl.reshape(S)
+
+        def copy(c_SxKxLxDh, p_UxKxPxDh):
+            new = _local_take(p_UxKxPxDh, prompts_local)
+            return c_SxKxLxDh.at[:, :, :P].set(jnp.where(take[:, None, None, None], new, c_SxKxLxDh[:, :, :P]))
+
+        state["cache"] = jax.tree.map(copy, state["cache"], prompt_kv)
+        state["row"] = jnp.where(take, rows, state["row"])
+        state["t"] = jnp.where(take, 1, state["t"])
+        state["tok"] = jnp.where(take, tok0[rows], state["tok"])
+        state["live"] = jnp.where(take, ~stop0[rows] & (N > 1), state["live"])
+        return state
+
+    state = {"cache": cache, "row": jnp.zeros((S,), jnp.int32), "t": jnp.zeros((S,), jnp.int32),
+             "tok": jnp.zeros((S,), jnp.int32), "live": jnp.zeros((S,), bool),
+             "next": jnp.full((shards,), Sl, jnp.int32), "out": out}
+    state = take_rows(state, jnp.ones((shards, Sl), bool), jnp.broadcast_to(jnp.arange(Sl), (shards, Sl)))
+
+    def cond(state):
+        return jnp.any(state["live"]) | jnp.any(state["next"] < Rl)
+
+    def body(state):
+        row, t, live = state["row"], state["t"], state["live"]
+        prompt = row_prompt_R[row]
+        kv_mask = jnp.concatenate([mask_UxP[prompt], jnp.arange(N)[None, :] < t[:, None]], axis=1)
+        logits, state["cache"] = transformer.forward(
+            params, state["tok"][:, None], cache=state["cache"], cache_index=P + t - 1,
+            positions_BxT=(n_prompt_U[prompt] + t - 1)[:, None], kv_mask_BxS=kv_mask, **fwd)
+        t_safe = jnp.minimum(t, N - 1)  # a finished slot's t may be N: its pick is discarded
+        tok, logp, ulogp, full, topk = pick(logits[:, 0], row, t_safe)
+        o = state["out"]
+        at = (jnp.where(live, row, R), t_safe)  # finished slots write nowhere
+        o["tokens"] = o["tokens"].at[at].set(tok, mode="drop")
+        o["logp"] = o["logp"].at[at].set(logp, mode="drop")
+        o["ulogp"] = o["ulogp"].at[at].set(ulogp, mode="drop")
+        if sampling.return_full_logprobs:
+            o["full"] = o["full"].at[at].set(full, mode="drop")
+        if sampling.return_topk:
+            o["topk"] = o["topk"].at[at].set(topk, mode="drop")
+        stopped = jnp.isin(tok, stop_ids)
+        o["lengths"] = o["lengths"].at[at[0]].set(t + 1, mode="drop")
+        o["done"] = o["done"].at[at[0]].set(stopped, mode="drop")
+        state["out"] = o
+        state["live"] = live & ~stopped & (t + 1 < N)
+        state["t"], state["tok"] = jnp.where(live, t + 1, t), tok  # a finished slot's t stays <= N
+
+        # refill: each shard's free slots take its next pending rows, in order
+        free = ~state["live"].reshape(shards, Sl)
+        pending = Rl - state["next"]
+        rank = jnp.cumsum(free, axis=1) - 1
+        take = free & (rank < pending[:, None])
+        state["next"] = state["next"] + jnp.minimum(jnp.sum(free, axis=1), pending).astype(jnp.int32)
+        local = jnp.minimum(state["next"][:, None] - jnp.sum(take, axis=1, keepdims=True) + rank, Rl - 1)
+        return jax.lax.cond(jnp.any(take), lambda s: take_rows(s, take, local), lambda s: s, state)
+
+    state = jax.lax.while_loop(cond, body, state)
+    o = state["out"]
+    return SampleOutput(tokens_BxN=o["tokens"], lengths_B=o["lengths"], logprobs_BxN=o["logp"],
+                        unprocessed_logprobs_BxN=o["ulogp"], done_B=o["done"], full_logprobs_BxNxV=o.get("full"),
+                        topk_ids_BxNxK=o.get("topk"), cache=state["cache"])
