@@ -1,6 +1,11 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere; one persistent XLA compilation cache
+per test session, shared by the xdist workers and the subprocesses tests start (a program compiled once —
+the tiny testbed's stages, the CLI's runs — is not compiled again by the next test or process)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -10,6 +15,13 @@ apply_cpu_defaults()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download weights
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process (xdist's controller): make it
+    _cache = tempfile.mkdtemp(prefix="jopd-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache  # workers and subprocesses inherit it
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

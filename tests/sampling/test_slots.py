@@ -50,23 +50,24 @@ def assert_same_samples(out, ref, atol=2e-5):
             np.testing.assert_allclose(np.where(valid, a, 0), np.where(valid, b, 0), atol=atol)
 
 
+# each setting at two slot counts (a compile each): together 1, 3, 5 and as many slots as rows
 SETTINGS = {
-    "top_p": (SamplingConfig(max_new_tokens=N, top_p=0.9, stop_token_ids=STOP), PrecisionConfig()),
+    "top_p": (SamplingConfig(max_new_tokens=N, top_p=0.9, stop_token_ids=STOP), PrecisionConfig(), (1, 5)),
     "top_k_noise": (SamplingConfig(max_new_tokens=N, top_k=7, temperature=0.8, return_full_logprobs=True,
-                                   return_topk=4, stop_token_ids=STOP), PrecisionConfig(logit_noise=0.7)),
+                                   return_topk=4, stop_token_ids=STOP), PrecisionConfig(logit_noise=0.7), (3, 16)),
     "greedy_noise": (SamplingConfig(max_new_tokens=N, greedy=True, stop_token_ids=STOP),
-                     PrecisionConfig(logit_noise=2.0)),
+                     PrecisionConfig(logit_noise=2.0), (5, 16)),
 }
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_each_row_samples_as_in_the_static_engine_whatever_the_slot_count(setting):
-    sampling, precision = SETTINGS[setting]
+    sampling, precision, slot_counts = SETTINGS[setting]
     rows = prompts(13)
     ref = Sampler(CFG, sampling, precision).generate(params(), rows, seed=5)
     lengths = ref.lengths_B
     assert len(set(lengths.tolist())) > 3  # rows end at scattered steps: slots are refilled mid-run
-    for slots in (1, 3, 5, 16):
+    for slots in slot_counts:
         out = Sampler(CFG, dataclasses.replace(sampling, slots=slots), precision).generate(params(), rows, seed=5)
         assert_same_samples(out, ref)
 
@@ -84,7 +85,7 @@ def test_a_prompts_samples_share_its_prefill_and_equal_separate_prefills():
     separate = jax.device_get(Sampler(CFG, sampling).sample_padded(params(), *repeated, rand))
     assert_same_samples(shared, separate)
     assert len({tuple(t) for t in shared.tokens_BxN[:G].tolist()}) > 1  # the samples of a prompt differ
-    for slots in (2, 5):  # shared prompts with refill
+    for slots in (5,):  # shared prompts with refill
         out = Sampler(CFG, dataclasses.replace(sampling, slots=slots)).sample_padded(params(), prompt_UxP, mask_UxP,
                                                                                   rand, group=G)
         assert_same_samples(jax.device_get(out), separate)
@@ -124,22 +125,26 @@ def test_the_engine_choice():
                         group=3)
 
 
+@functools.partial(jax.jit, static_argnames="prefill")
+def _cached_forward(p, tokens, cache, index, positions, kv_mask, prefill=False):
+    return T.forward(p, tokens, cfg=CFG, cache=cache, cache_index=index, kv_mask_BxS=kv_mask,
+                     positions_BxT=None if prefill else positions)
+
+
 def test_kv_cache_rows_at_different_steps_match_the_full_forward():
     """The per-row cache write (`cache_index` [B]) against a full forward: two rows decoding at different slots."""
     p = params()
     tokens = np.array([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]], np.int32)
-    full = np.asarray(T.forward(p, tokens, cfg=CFG)[0])
+    full = np.asarray(jax.jit(lambda p, t: T.forward(p, t, cfg=CFG)[0])(p, tokens))
     cache = T.init_cache(CFG, 2, 8)
-    _, cache = T.forward(p, jnp.asarray(tokens[:, :3]), cfg=CFG, cache=cache, cache_index=0,
-                         kv_mask_BxS=jnp.asarray(np.arange(8)[None] < np.array([[3], [4]])))
+    _, cache = _cached_forward(p, tokens[:, :3], cache, 0, None, np.arange(8)[None] < np.array([[3], [4]]),
+                               prefill=True)
     # both rows feed token 3 at slot 3; then each row its own slot: [4, 4], then [4, 3] (row 1 one step behind)
-    _, cache = T.forward(p, jnp.asarray(tokens[:, 3:4]), cfg=CFG, cache=cache, cache_index=3,
-                         positions_BxT=jnp.asarray([[3], [3]]), kv_mask_BxS=jnp.ones((2, 8), bool))
-    logits, _ = T.forward(p, jnp.asarray(tokens[:, 4:5]), cfg=CFG, cache=cache, cache_index=jnp.asarray([4, 4]),
-                          positions_BxT=jnp.asarray([[4], [4]]), kv_mask_BxS=jnp.ones((2, 8), bool))
+    _, cache = _cached_forward(p, tokens[:, 3:4], cache, 3, np.array([[3], [3]]), np.ones((2, 8), bool))
+    logits, _ = _cached_forward(p, tokens[:, 4:5], cache, np.array([4, 4]), np.array([[4], [4]]),
+                                np.ones((2, 8), bool))
     np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, 4], atol=2e-5)
-    logits, _ = T.forward(p, jnp.asarray([[9], [13]]), cfg=CFG, cache=cache, cache_index=jnp.asarray([4, 3]),
-                          positions_BxT=jnp.asarray([[4], [3]]),
-                          kv_mask_BxS=jnp.asarray(np.arange(8)[None] < np.array([[5], [4]])))
+    logits, _ = _cached_forward(p, np.array([[9], [13]]), cache, np.array([4, 3]), np.array([[4], [3]]),
+                                np.arange(8)[None] < np.array([[5], [4]]))
     np.testing.assert_allclose(np.asarray(logits[0, 0]), full[0, 4], atol=2e-5)
     np.testing.assert_allclose(np.asarray(logits[1, 0]), full[1, 3], atol=2e-5)
