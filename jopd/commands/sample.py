@@ -40,7 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per sampler call")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="decode slots of the slot engine (a finished row's slot takes the next prompt of the "
+                             "call; with a large --batch-size, a few slots serve many prompts); 0: the static engine, "
+                             "every row of a call decoding until its longest stops. Same samples either way")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the raw prompt text")
 
 
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                                             "weight_noise": args.weight_noise}, "precision")
         sampling = build(SamplingConfig, {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                           "greedy": args.greedy, "max_new_tokens": args.max_new_tokens,
-                                          "seed": args.seed}, "sampling")
+                                          "seed": args.seed, "slots": args.slots}, "sampling")
     except ConfigError as e:
         raise _flag_error(e) from None
     rows = read_prompts(args.prompts)

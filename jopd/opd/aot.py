@@ -32,10 +32,9 @@ from jopd import parallel as meshlib
 from jopd.opd.run_config import ModelSource, RunConfig
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
-from jopd.losses.objectives import OBJECTIVES
 from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
 from jopd.opd.batch import RolloutArrays
-from jopd.opd.step import build_step
+from jopd.opd.step import build_step, rollouts_per_prompt
 from jopd.sampling.sampler import RowRandomness
 
 # HBM per chip (GiB) by `device.device_kind`, with the chip's usual name. Public figures: v4 32 GiB,
@@ -309,7 +308,7 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
                      "vocab": m.vocab_size}
               for role, m, src in (("student", s_cfg, cfg.student), ("teacher", t_cfg, cfg.teacher))}
-    shapes = {"batch": cfg.data.batch_size * (cfg.rl.group_size if OBJECTIVES[cfg.loss.kind].grouped else 1), "prompt_len": cfg.data.max_prompt_len,
+    shapes = {"batch": cfg.data.batch_size * rollouts_per_prompt(cfg), "prompt_len": cfg.data.max_prompt_len,
               "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
               "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
     return AotReport(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
@@ -326,21 +325,26 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     step = build_step(cfg, s_cfg, t_cfg, mesh)
     sh = step.shardings
     B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    G, U = step.rollouts_per_prompt, cfg.data.batch_size  # B = U prompts x G samples each
     meshlib.batch_sharding(mesh, meshlib.rules_for("sample", cfg.mesh), (B,), where="data.batch_size")
+    engine, slots = step.sampler.engine(B, G)
 
     # Long-lived buffers, abstract and sharded as `jopd train` places them.
     state, teacher = step.abstract_state(), step.abstract_teacher()
     key = jax.ShapeDtypeStruct((), state.rng.dtype, sharding=sh.state.rng)
     sampler_params = _abstract(jax.eval_shape(step.sync_fn, state.params, key), sh.sampler_params)
-    cache_shapes = jax.eval_shape(lambda: transformer.init_cache(s_cfg, B, Pl + N, cfg.rollout_precision.cache_dtype))
+    cache_shapes = jax.eval_shape(lambda: transformer.init_cache(s_cfg, slots, Pl + N,
+                                                                 cfg.rollout_precision.cache_dtype))
     cache = _abstract(cache_shapes, jax.tree.map(lambda _: sh.cache, cache_shapes))
 
     # Per-step data: the sampler's inputs, then every stage's output shapes from the stage itself.
     sds = jax.ShapeDtypeStruct
     prompt = sds((B, Pl), jnp.int32, sharding=sh.batch)
     prompt_mask = sds((B, Pl), jnp.bool_, sharding=sh.batch)
+    unique = sds((U, Pl), jnp.int32, sharding=sh.batch), sds((U, Pl), jnp.bool_, sharding=sh.batch)
     rand = RowRandomness(sds((B, N), jnp.float32, sharding=sh.batch), sds((B, 2), jnp.uint32, sharding=sh.batch))
-    sample = jax.eval_shape(step.sampler.program, sampler_params, prompt, prompt_mask, rand, cache)._replace(cache=None)
+    program = step.sampler.program_for(engine)
+    sample = jax.eval_shape(program, sampler_params, *unique, rand, cache)._replace(cache=None, decode_iterations=None)
     sample = _abstract(sample, jax.tree.map(lambda _: sh.batch, sample))
     per_row = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
     rollout = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, sample=sample, advantages_B=per_row,
@@ -363,7 +367,7 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
         "weight_sync": (lambda: step.sync_fn.lower(state.params, key),
                         {"opt_state": buffers["train_state"] - _bytes(state.params)}
                         | held(*frozen, "kv_cache")),
-        "sample": (lambda: step.sampler.program.lower(sampler_params, prompt, prompt_mask, rand, cache),
+        "sample": (lambda: program.lower(sampler_params, *unique, rand, cache),
                    held("train_state", *frozen)),
         "teacher_scoring": (lambda: step.score_fn.lower(teacher, rollout, *reference),
                             held("train_state", "sampler_params", "kv_cache", "rollout")),

@@ -148,6 +148,7 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
         dt = time.perf_counter() - t0
         m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
               "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
+        m["rollout_useful_frac"] = rollout.useful_fraction(lengths)  # of the sampler's slot-steps
         m |= run_guard.rollout_metrics(tokens, lengths, m.get("num_tokens", 0.0))
         warning, reason = run_guard.check(step, m)  # response_at_cap: also `compare --rl`'s collapse signal
         if warning and is_main:

@@ -90,6 +90,8 @@ class Rollout:
     arrays: RolloutArrays
     host_batch: dict[str, np.ndarray]
     reward_ema: np.float32 | None = None  # running_mean baseline: the EMA after this step's rewards
+    decode_iterations: jax.Array | None = None  # the sampler's decode forward passes (`SampleOutput`)
+    slots: int = 0  # the sampler's decode slots (rows, for the static engine)
 
     @property
     def sample(self) -> SampleOutput:
@@ -106,6 +108,12 @@ class Rollout:
     @property
     def rewards_B(self) -> jax.Array | None:
         return self.arrays.rewards_B
+
+    def useful_fraction(self, lengths_B: np.ndarray) -> float:
+        """The share of the sampler's slot-steps that produced a real token (1: no slot idle; the static engine
+        spends the longest row's steps on every row)."""
+        rows = len(lengths_B)
+        return float(np.sum(lengths_B)) / (rows + self.slots * int(jax.device_get(self.decode_iterations)))
 
     def without_full_logprobs(self) -> "Rollout":
         """The rollout without the sampler's [B, N, V] log-softmax (freed once the update has read it)."""
@@ -166,12 +174,13 @@ class OPDStep:
     score_fn: Any
     update_fn: Any  # jit: (state, TrainBatch) -> (state, metrics); state donated
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
+    repeat_fn: Any  # jit: (prompt_UxP, mask_UxP) -> each prompt G times, rows r*G .. r*G+G-1 (the scored layout)
 
     # -- sizes ------------------------------------------------------------------------------------------
 
     @property
     def rollouts_per_prompt(self) -> int:
-        return self.cfg.rl.group_size if self.objective.grouped else 1
+        return rollouts_per_prompt(self.cfg)
 
     @property
     def rollout_rows(self) -> int:
@@ -217,22 +226,26 @@ class OPDStep:
     # -- the step ---------------------------------------------------------------------------------------
 
     def rollout(self, state: TrainState, batch: dict[str, np.ndarray], step: int) -> Rollout:
-        """Weight sync, then the sampler on this process's rows of the prompt batch (Grain's dict)."""
-        if self.rollouts_per_prompt > 1:
-            batch = rewards.repeat_for_groups(batch, self.rollouts_per_prompt)
-        local_rows = batch["prompt_tokens"].shape[0]
+        """Weight sync, then the sampler on this process's rows of the prompt batch (Grain's dict): G =
+        `rollouts_per_prompt` samples of each prompt (rows r*G .. r*G+G-1), its prefill shared."""
+        G = self.rollouts_per_prompt
+        local_prompts = batch["prompt_tokens"].shape[0]
+        batch = rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
+        local_rows = local_prompts * G
         sampler_params = self.sync_fn(state.params, weight_sync_key(state.rng, step))
         first = step * local_rows * jax.process_count() + jax.process_index() * local_rows
         rand = row_randomness(rollout_seed(self.cfg.train.seed), first + np.arange(local_rows),
                               self.sampler.sampling.max_new_tokens)
-        local = (batch["prompt_tokens"], batch["prompt_mask"].astype(bool), rand.uniforms_BxN, rand.noise_key_data_Bx2)
-        prompt, mask, u, k = host_local_to_global(local, self.shardings.batch)
-        sample = self.sampler.sample_padded(sampler_params, prompt, mask, RowRandomness(u, k))
+        prompts = (batch["prompt_tokens"][::G], batch["prompt_mask"][::G].astype(bool))
+        prompt_UxP, mask_UxP, u, k = host_local_to_global(prompts + tuple(rand), self.shardings.batch)
+        sample = self.sampler.sample_padded(sampler_params, prompt_UxP, mask_UxP, RowRandomness(u, k), group=G)
+        iterations, sample = sample.decode_iterations, sample._replace(decode_iterations=None)
+        prompt, mask = (prompt_UxP, mask_UxP) if G == 1 else self.repeat_fn(prompt_UxP, mask_UxP)
         arrays, ema = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=mask, sample=sample), None
         if self.objective.uses_rewards:
             r, adv, ema = self._rewards(sample, batch, state)
             arrays = arrays.replace(rewards_B=r, advantages_B=adv)
-        return Rollout(arrays, batch, ema)
+        return Rollout(arrays, batch, ema, iterations, self.sampler.engine(local_rows * jax.process_count(), G)[1])
 
     def score(self, teacher_params, rollout: Rollout, reference_params=None) -> TrainBatch:
         args = (teacher_params, rollout.arrays)
@@ -292,6 +305,16 @@ class OPDStep:
         return r, a, ema
 
 
+def rollouts_per_prompt(cfg: RunConfig) -> int:
+    """G, the rollouts of each prompt per step: GRPO's `rl.group_size`, else `sampling.samples_per_prompt`."""
+    if OBJECTIVES[cfg.loss.kind].grouped:
+        if cfg.sampling.samples_per_prompt not in (1, cfg.rl.group_size):
+            raise ValueError(f"RunConfig.sampling.samples_per_prompt={cfg.sampling.samples_per_prompt}: loss.kind="
+                             f"{cfg.loss.kind} samples rl.group_size={cfg.rl.group_size} rollouts per prompt")
+        return cfg.rl.group_size
+    return cfg.sampling.samples_per_prompt
+
+
 def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
                    optimizer: optax.GradientTransformation, running_baseline: bool = False) -> StepShardings:
     train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
@@ -306,11 +329,8 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
                        rng=replicated)
     if running_baseline:
         state = RLTrainState(**vars(state), reward_ema=replicated)
-    # A clear error at build time; GRPO's rows are the prompts repeated on the host before they are sharded.
-    grouped = OBJECTIVES[cfg.loss.kind].grouped
-    rows = cfg.data.batch_size * (cfg.rl.group_size if grouped else 1)
-    meshlib.batch_sharding(mesh, sample_rules, (rows,),
-                           where="data.batch_size x rl.group_size" if grouped else "data.batch_size")
+    # A clear error at build time: the prompts and their G samples each are split over the batch shards.
+    meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size,), where="data.batch_size")
     return StepShardings(
         student=student, teacher=meshlib.param_shardings(t_cfg, mesh, train_rules), sampler_params=sampler_params,
         state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
@@ -355,8 +375,11 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
                         in_shardings=(sh.state, batch), out_shardings=(sh.state, None), donate_argnums=0)
+    G = rollouts_per_prompt(cfg)
+    repeat_fn = jax.jit(lambda *xs: tuple(jnp.repeat(x, G, axis=0) for x in xs), in_shardings=batch,
+                        out_shardings=batch)
     init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
     return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfg=t_cfg, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
                    optimizer=optimizer, shardings=sh, sampler=sampler, tokenizer=tokenizer, sync_fn=sync_fn,
-                   score_fn=score_fn, update_fn=update_fn, init_fn=init_fn)
+                   score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn)

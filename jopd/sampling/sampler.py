@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pydantic
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from jopd.config_dataclass import config_dataclass
@@ -70,6 +71,10 @@ class SampleOutput(NamedTuple):
     full_logprobs_BxNxV: Float[Array, "B N V"] | None = None  # unprocessed log-softmax, if requested
     topk_ids_BxNxK: Int[Array, "B N K"] | None = None  # the (noisy) logits' top-k ids per step, if requested
     cache: Any = None  # the KV-cache buffer (donated in, handed back for reuse)
+    # decode forward passes the engine ran (a replicated scalar): its slot-steps are rows + slots x this (every
+    # row's first token comes from the prefill), so sum(lengths_B) / (rows + slots x decode_iterations) is the
+    # fraction of them spent on real tokens (`rollout_useful_frac`)
+    decode_iterations: Any = None
 
     @property
     def response_mask_BxN(self):
@@ -365,7 +370,7 @@ def sample_padded(
     return SampleOutput(tokens_BxN=state["tokens"], lengths_B=state["lengths"], logprobs_BxN=state["logp"],
                         unprocessed_logprobs_BxN=state["ulogp"], done_B=state["done"],
                         full_logprobs_BxNxV=state.get("full"), topk_ids_BxNxK=state.get("topk"),
-                        cache=state["cache"])
+                        cache=state["cache"], decode_iterations=state["t"] - 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,7 +463,7 @@ class Sampler:
             else:
                 b, c = self.shardings.batch, self.shardings.cache_dict
                 out = SampleOutput(b, b, b, b, b, b if self.sampling.return_full_logprobs else None,
-                                   b if self.sampling.return_topk else None, c)
+                                   b if self.sampling.return_topk else None, c, NamedSharding(b.mesh, PartitionSpec()))
                 self._programs[group] = jax.jit(
                     _bind(self.cfg, precision, sampling, group, self.shards), donate_argnums=(4,),
                     in_shardings=(self.shardings.params, b, b, b, c), out_shardings=out)
@@ -530,4 +535,5 @@ class Sampler:
             toks, mask, rand = jax.device_put((toks, mask, rand), self.shardings.batch)
         out = self.sample_padded(params, toks, mask, rand)
         n = len(prompts)
-        return SampleOutput(*(None if x is None else np.asarray(x)[:n] for x in out[:-1]), cache=None)
+        rows = (None if x is None else np.asarray(x)[:n] for x in out[:-2])
+        return SampleOutput(*rows, cache=None, decode_iterations=int(out.decode_iterations))

@@ -123,7 +123,7 @@ def sample_slots(
 
     state = {"cache": cache, "row": jnp.zeros((S,), jnp.int32), "t": jnp.zeros((S,), jnp.int32),
              "tok": jnp.zeros((S,), jnp.int32), "live": jnp.zeros((S,), bool),
-             "next": jnp.full((shards,), Sl, jnp.int32), "out": out}
+             "next": jnp.full((shards,), Sl, jnp.int32), "out": out, "iterations": jnp.zeros((), jnp.int32)}
     state = take_rows(state, jnp.ones((shards, Sl), bool), jnp.broadcast_to(jnp.arange(Sl), (shards, Sl)))
 
     def cond(state):
@@ -153,6 +153,7 @@ def sample_slots(
         state["out"] = o
         state["live"] = live & ~stopped & (t + 1 < N)
         state["t"], state["tok"] = jnp.where(live, t + 1, t), tok  # a finished slot's t stays <= N
+        state["iterations"] = state["iterations"] + 1
 
         # refill: each shard's free slots take its next pending rows, in order
         free = ~state["live"].reshape(shards, Sl)
@@ -167,4 +168,24 @@ def sample_slots(
     o = state["out"]
     return SampleOutput(tokens_BxN=o["tokens"], lengths_B=o["lengths"], logprobs_BxN=o["logp"],
                         unprocessed_logprobs_BxN=o["ulogp"], done_B=o["done"], full_logprobs_BxNxV=o.get("full"),
-                        topk_ids_BxNxK=o.get("topk"), cache=state["cache"])
+                        topk_ids_BxNxK=o.get("topk"), cache=state["cache"], decode_iterations=state["iterations"])
+
+
+def slot_iterations(lengths_R, slots: int, shards: int = 1) -> int:
+    """The decode forward passes `sample_slots` runs for rows of these lengths (host side, exact): per shard, its
+    slots take its rows in order; a row of length L >= 2 holds its slot for L - 1 passes (its first token comes
+    from the prefill); a row of length 1 needs none, but its slot takes the next row only after one pass."""
+    import heapq
+
+    import numpy as np
+
+    lengths = np.asarray(lengths_R).reshape(shards, -1)
+    per = slots // shards
+    end = 0
+    for rows in lengths:
+        free = [(0, s) for s in range(per)]  # (pass after which the slot can take a row, slot index)
+        for n in rows:
+            at, s = heapq.heappop(free)
+            end = max(end, at + max(int(n) - 1, 0))
+            heapq.heappush(free, (at + max(int(n) - 1, 1), s))
+    return end

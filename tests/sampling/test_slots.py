@@ -14,6 +14,7 @@ from jopd.models.config import ModelConfig
 from jopd.models import transformer as T
 from jopd.sampling.precision import PrecisionConfig
 from jopd.sampling.sampler import Sampler, SamplerShardings, SamplingConfig, row_randomness
+from jopd.sampling.slots import slot_iterations
 from tests.helpers.tiny_params import numpy_params
 
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -148,3 +149,17 @@ def test_kv_cache_rows_at_different_steps_match_the_full_forward():
                                 np.arange(8)[None] < np.array([[5], [4]]))
     np.testing.assert_allclose(np.asarray(logits[0, 0]), full[0, 4], atol=2e-5)
     np.testing.assert_allclose(np.asarray(logits[1, 0]), full[1, 3], atol=2e-5)
+
+
+def test_the_host_schedule_counts_the_engines_decode_passes():
+    """`slot_iterations` (what the loop's rollout_useful_frac and the step-waste benchmark count) equals the
+    passes the device loop ran, rows of length 1 included."""
+    sampling = SamplingConfig(max_new_tokens=N, top_p=0.9, stop_token_ids=STOP)
+    rows = prompts(16, seed=8)
+    ref = Sampler(CFG, sampling).generate(params(), rows, seed=4)
+    assert (ref.lengths_B == 1).any() and ref.decode_iterations == ref.lengths_B.max() - 1
+    for slots in (3, 8):
+        out = Sampler(CFG, dataclasses.replace(sampling, slots=slots)).generate(params(), rows, seed=4)
+        assert out.decode_iterations == slot_iterations(out.lengths_B, slots)
+    assert slot_iterations([5, 1, 1, 3], 2) == 4 and slot_iterations([5, 1, 1, 3], 2, shards=2) == 4
+    assert slot_iterations([1, 1], 1) == 1 and slot_iterations([4, 4, 4, 4], 4) == 3
