@@ -4,6 +4,11 @@ Every [B, T, ...] field is aligned with the student's hidden positions: slot t d
 `targets_BxT[:, t]`. Optional fields are None when the loss kind does not read them (the registry in
 `losses.objectives` declares which kind needs which); None is an empty pytree node, so a missing field costs
 nothing under jit and needs no sharding.
+
+With `compact` set (packed sequences, `jopd.opd.packing`), the fields a kind reads per chunk (its
+`Objective.chunk_fields` and `support_mask_BxTxK`) are in the compact layout [Q, Cq, ...] of the response
+positions; every other field stays in the padded response layout [B, T, ...] (`targets_BxT` and
+`sampler_full_logprobs_BxTxV` are moved to the compact layout inside the loss).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import dataclasses
 import flax.struct
 import jax
 from jaxtyping import Array, Bool, Float, Int
+
+from jopd.losses.layout import CompactLayout
 
 
 @flax.struct.dataclass
@@ -29,13 +36,14 @@ class LossBatch:
     advantages_BxT: Float[Array, "B T"] | None = None  # per-token advantages (RL kinds)
     reference_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_ref(target), frozen reference (KL term)
     token_normalizer: Float[Array, ""] | None = None  # replaces the count of loss tokens as the denominator
+    compact: CompactLayout | None = None  # packed: where the chunk fields' compact positions come from
 
     def present(self) -> tuple[str, ...]:
-        """Names of the fields that are set."""
-        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+        """Names of the per-position fields that are set."""
+        return tuple(f.name for f in dataclasses.fields(self) if f.name != "compact" and getattr(self, f.name) is not None)
 
     def select(self, names) -> dict[str, jax.Array]:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
-FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossBatch))
+FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LossBatch) if f.name != "compact")

@@ -34,10 +34,12 @@ from jopd.losses.config import LossConfig
 from jopd.losses.is_correction import (exact_kl_BxT, importance_ratio, importance_weights, is_metrics,
                                       mismatch_estimators)
 from jopd.losses.kinds import OBJECTIVES, Metrics, Objective
+from jopd.losses.layout import from_compact, to_compact
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.models.config import ModelConfig
 
-__all__ = ["OBJECTIVES", "Objective", "check_batch", "needs_reference", "token_loss", "token_loss_from_logits"]
+__all__ = ["OBJECTIVES", "Objective", "check_batch", "compact_fields", "needs_reference", "token_loss",
+           "token_loss_from_logits"]
 
 
 def needs_reference(cfg: LossConfig) -> bool:
@@ -57,16 +59,38 @@ def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax
     return out
 
 
-def _chunk_inputs(cfg: LossConfig, batch: LossBatch) -> dict[str, jax.Array]:
-    """The fields the chunked map slices: the kind's own, and the sampler's full log-softmax when present."""
-    names = ("targets_BxT",) + OBJECTIVES[cfg.kind].chunk_fields + ("sampler_full_logprobs_BxTxV",)
+def compact_fields(cfg: LossConfig) -> tuple[str, ...]:
+    """The kind's fields read per chunk: what a packed batch holds in the compact layout."""
+    names = OBJECTIVES[cfg.kind].chunk_fields
     if OBJECTIVES[cfg.kind].needs_teacher_topk:
         names += ("support_mask_BxTxK",)  # set when the support is a union (repeated ids masked)
-    return batch.select(names)
+    return names
+
+
+def _chunk_inputs(cfg: LossConfig, batch: LossBatch) -> dict[str, jax.Array]:
+    """The fields the chunked map slices: the targets, the kind's own, and the sampler's full log-softmax when
+    present; a packed batch's in the compact layout (the targets and the sampler's moved there now)."""
+    inp = batch.select(("targets_BxT",) + compact_fields(cfg) + ("sampler_full_logprobs_BxTxV",))
+    if batch.compact is not None:
+        for name in ("targets_BxT", "sampler_full_logprobs_BxTxV"):
+            if name in inp:
+                inp[name] = to_compact(inp[name], batch.compact)
+    return inp
+
+
+def _padded(cfg: LossConfig, batch: LossBatch, terms: Mapping[str, jax.Array]):
+    """A packed batch's compact fields and the chunked terms, back in the padded response layout the reduction
+    reads (under jit, what the reduction does not read is never moved)."""
+    if batch.compact is None:
+        return batch, terms
+    layout = batch.compact
+    back = {n: from_compact(getattr(batch, n), layout) for n in compact_fields(cfg) if getattr(batch, n) is not None}
+    return (batch.replace(compact=None, **back), {k: from_compact(v, layout) for k, v in terms.items()})
 
 
 def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None) -> None:
-    """Every field the kind needs is set, and every set field starts with (B, T) (trace time: shapes only)."""
+    """Every field the kind needs is set, and every set field starts with (B, T) — a packed batch's chunk fields
+    with the compact layout's (Q, Cq) — (trace time: shapes only)."""
     obj = OBJECTIVES[cfg.kind]
     needed = obj.fields + (("sampler_logprobs_BxT",) if cfg.is_mode != "none" else ())
     needed += ("reference_logprobs_BxT",) if needs_reference(cfg) else ()
@@ -75,11 +99,15 @@ def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None) -> 
             why = (f"kind={cfg.kind!r}" if name in obj.fields else
                    f"kl_coef={cfg.kl_coef}" if name == "reference_logprobs_BxT" else f"is_mode={cfg.is_mode!r}")
             raise ValueError(f"LossBatch.{name}: missing (needed by LossConfig.{why})")
-    B, T = batch.targets_BxT.shape
+    padded = B, T = batch.targets_BxT.shape
+    compact = set(compact_fields(cfg)) if batch.compact is not None else set()
     for name in batch.present():
         x = getattr(batch, name)
-        if name != "token_normalizer" and tuple(x.shape[:2]) != (B, T):
-            raise ValueError(f"LossBatch.{name}: shape {tuple(x.shape)} does not start with (B, T)={(B, T)}")
+        want, what = (batch.compact.shape, "compact (Q, Cq)") if name in compact else (padded, "(B, T)")
+        if name != "token_normalizer" and tuple(x.shape[:2]) != want:
+            raise ValueError(f"LossBatch.{name}: shape {tuple(x.shape)} does not start with {what}={want}")
+    if batch.compact is not None:
+        B, T = batch.compact.shape  # the chunk fields' leading dims
     if obj.needs_teacher_topk:
         ids, lps = batch.teacher_topk_ids_BxTxK, batch.teacher_topk_logprobs_BxTxK
         K = cfg.support_size
@@ -169,12 +197,14 @@ def token_loss(
     B, T, D = hidden_BxTxD.shape
     if D != model_cfg.hidden_size:
         raise ValueError(f"token_loss: hidden size {D} != ModelConfig.hidden_size {model_cfg.hidden_size}")
-    if tuple(batch.targets_BxT.shape) != (B, T):
-        raise ValueError(f"token_loss: LossBatch.targets_BxT {tuple(batch.targets_BxT.shape)} != hidden (B, T)={(B, T)}")
+    rows = batch.compact.shape if batch.compact is not None else tuple(batch.targets_BxT.shape)
+    if rows != (B, T):
+        raise ValueError(f"token_loss: the batch's positions {rows} != hidden (B, T)={(B, T)}")
     check_batch(cfg, batch, model_cfg.vocab_size)
     terms = chunked_logits_map(functools.partial(_chunk_terms, cfg), student_params, hidden_BxTxD,
                                _chunk_inputs(cfg, batch), cfg.chunk_size, dtype=dtype, remat=True,
                                support_ids_key=OBJECTIVES[cfg.kind].support_ids)
+    batch, terms = _padded(cfg, batch, terms)
     return _reduce(cfg, terms, batch)
 
 
@@ -186,4 +216,5 @@ def token_loss_from_logits(cfg: LossConfig, logits_BxTxV: Float[Array, "B T V"],
     inp = _chunk_inputs(cfg, batch)
     if obj.support_ids is not None:
         inp["support_logits"] = jnp.take_along_axis(logits_BxTxV, inp[obj.support_ids].astype(jnp.int32), axis=-1)
-    return _reduce(cfg, _chunk_terms(cfg, logits_BxTxV, inp), batch)
+    batch, terms = _padded(cfg, batch, _chunk_terms(cfg, logits_BxTxV, inp))
+    return _reduce(cfg, terms, batch)

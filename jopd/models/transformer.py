@@ -277,6 +277,7 @@ def forward(
     logits_dtype=jnp.float32,
     return_hidden: bool = False,
     remat: bool = False,
+    segment_ids_BxT: Int[Array, "B T"] | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None).
 
@@ -289,6 +290,8 @@ def forward(
     unrolled loop; otherwise as a `lax.scan` over the stacked layers.
     `remat` recomputes each layer in the backward pass (`jax.checkpoint` on the layer): the gradient then keeps
     only each layer's input [B,T,D], not its attention scores and MLP activations.
+    `segment_ids_BxT` (no cache): packed rows, a token attends only within its own segment (pass the positions
+    restarting at each segment, `opd.packing`).
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -300,6 +303,8 @@ def forward(
     if cache is None:
         causal = jnp.tril(jnp.ones((T, T), bool))
         mask = causal[None] & attn_mask_BxT[:, None, :].astype(bool)
+        if segment_ids_BxT is not None:
+            mask = mask & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
     else:
         S = cache["k"][0].shape[2]
         if kv_mask_BxS is None:

@@ -8,7 +8,7 @@ response token t, predicted from the hidden state at sequence position P + t - 1
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -28,6 +28,7 @@ class RolloutArrays:
     sample: SampleOutput  # tokens, lengths, sampler log-probs (and full log-softmax with train.mismatch=exact)
     advantages_B: Array | None = None  # RL kinds: the per-sequence advantage from the rewards
     rewards_B: Array | None = None  # RL kinds: each response's reward (logged; scoring does not read it)
+    plan: Any = None  # `opd.packing.PackPlan` (train.pack): score and update the packed sequences
 
 
 class SequenceLayout(NamedTuple):
@@ -51,11 +52,13 @@ def sequence_layout(prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, 
 
 @flax.struct.dataclass
 class TrainBatch:
-    """The train step's input: the student's forward input and the response-aligned loss fields."""
+    """The train step's input: the student's forward input and the response-aligned loss fields. Packed
+    (`plan` set): the tokens are the packed rows [Bp, C] and the loss's chunk fields compact (`opd.packing`)."""
 
     tokens_BxS: Int[Array, "B S"]
     attn_mask_BxS: Bool[Array, "B S"]
     loss: LossBatch  # [B, N, ...] fields, N = the response slots
+    plan: Any = None  # `opd.packing.PackPlan` when packed
 
     @property
     def n_response(self) -> int:

@@ -105,6 +105,10 @@ class TrainConfig:
     # Recompute each layer's activations in the backward pass (jax.checkpoint per scanned layer): ~1/3 more
     # train-step compute for a fraction of the activation memory; needed at real scale (see `jopd aot`).
     remat: bool = False
+    # Pack the rollouts for the teacher scoring and the update (`opd.packing`): several sequences per row, each
+    # attending to itself, and the LM head and the loss on real response tokens only; the loss and its gradient
+    # equal the padded computation's (tested). Not with optim.grad_accum_steps > 1.
+    pack: bool = False
     guard: GuardConfig = GuardConfig()  # what stops a run that goes non-finite or degenerates (`opd.guards`)
 
 

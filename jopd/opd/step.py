@@ -47,7 +47,7 @@ from jopd.losses.objectives import OBJECTIVES, Objective, needs_reference
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.opd import rewards
+from jopd.opd import packing, rewards
 from jopd.opd.batch import RolloutArrays, TrainBatch
 from jopd.opd.optim import make_optimizer
 from jopd.opd.rewards import RLTrainState
@@ -247,8 +247,22 @@ class OPDStep:
             arrays = arrays.replace(rewards_B=r, advantages_B=adv)
         return Rollout(arrays, batch, ema, iterations, self.sampler.engine(local_rows * jax.process_count(), G)[1])
 
+    def pack_plan(self, rollout: Rollout):
+        """The packing of this rollout's sequences (`train.pack`), from their real lengths (read to the host:
+        the scoring waits for the sampler anyway), as global arrays: each batch shard packs its own rows."""
+        lengths = np.asarray(self.local_rows(rollout.sample.lengths_B))
+        prompt_lens = np.asarray(rollout.host_batch["prompt_mask"]).astype(bool).sum(axis=1)
+        shards = max(1, self.sampler.shards // jax.process_count())
+        plan = packing.plan_packing(prompt_lens, lengths, rollout.prompt_BxP.shape[1],
+                                    self.sampler.sampling.max_new_tokens, shards=shards)
+        plan = host_local_to_global(plan, self.shardings.batch)
+        return plan.replace(compact=plan.compact.replace(shards=self.sampler.shards))  # the global shard count
+
     def score(self, teacher_params, rollout: Rollout, reference_params=None) -> TrainBatch:
-        args = (teacher_params, rollout.arrays)
+        arrays = rollout.arrays
+        if self.cfg.train.pack:
+            arrays = arrays.replace(plan=self.pack_plan(rollout))
+        args = (teacher_params, arrays)
         if self.uses_reference:
             if reference_params is None:
                 raise ValueError(f"RunConfig.loss.kl_coef={self.loss_cfg.kl_coef}: OPDStep.score needs the reference "
@@ -349,6 +363,9 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
     another `cfg`. `tokenizer` also decodes responses for the RL kinds' rewards (None: no masks, no rewards)."""
     loss_cfg = resolve_loss_config(cfg, tokenizer)
     objective = OBJECTIVES[loss_cfg.kind]
+    if cfg.train.pack and cfg.optim.grad_accum_steps > 1:
+        raise ValueError(f"RunConfig.train.pack: not with optim.grad_accum_steps={cfg.optim.grad_accum_steps} (a "
+                         f"packed row holds several rollouts; micro-batches would split its packing)")
     rewards.check_rl_config(loss_cfg.kind, objective, cfg.rl)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)

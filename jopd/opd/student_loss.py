@@ -15,14 +15,20 @@ from jopd.losses import LossBatch, LossConfig, token_loss
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import TrainBatch
+from jopd.opd.packing import compact_hidden, packed_hidden
 
 
 def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.float32, remat: bool = False):
-    """OPD / RL objective on a `TrainBatch` (prompt + response, response-aligned loss fields). Only the N
-    positions that predict response tokens are projected to logits. `remat`: recompute each layer in the
-    backward pass (see `transformer.forward`)."""
+    """OPD / RL objective on a `TrainBatch` (prompt + response, response-aligned loss fields). Only the
+    positions that predict response tokens are projected to logits: the N slots of each padded row, or, for
+    packed rows, the real response tokens alone. `remat`: recompute each layer in the backward pass (see
+    `transformer.forward`)."""
 
     def loss_fn(params, batch: TrainBatch):
+        if batch.plan is not None:  # packed rows: the hidden states that predict response tokens, compact
+            hidden = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat)
+            return token_loss(loss_cfg, params, model_cfg, compact_hidden(hidden, batch.plan), batch.loss,
+                              dtype=dtype)
         hidden, _ = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg, attn_mask_BxT=batch.attn_mask_BxS,
                                         dtype=dtype, return_hidden=True, remat=remat)
         S, N = batch.tokens_BxS.shape[1], batch.n_response

@@ -15,9 +15,12 @@ from jaxtyping import Array, Float, Int
 from jopd.losses import LossBatch, LossConfig
 from jopd.losses.chunked import chunked_logits_map, head_params
 from jopd.losses.kinds import OBJECTIVES
+from jopd.losses.objectives import compact_fields
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
+from jopd.losses.layout import from_compact, to_compact
 from jopd.opd.batch import RolloutArrays, SequenceLayout, TrainBatch, sequence_layout
+from jopd.opd.packing import PackPlan, compact_hidden, pack_tokens, packed_hidden
 
 
 def teacher_scores(
@@ -99,41 +102,61 @@ def support_extra_ids(layout: SequenceLayout, student_topk_ids_BxNxK, loss_cfg: 
     return jnp.concatenate(parts, axis=-1) if parts else None
 
 
+def scored_hidden(params, cfg: ModelConfig, layout: SequenceLayout, plan: PackPlan | None, *, dtype=jnp.float32):
+    """A frozen model's final hidden states that predict the response tokens: [B, N, D] in the padded response
+    layout, or [Q, Cq, D] in the compact one when the sequences are packed (`plan`). Stop-gradient."""
+    N = layout.targets_BxN.shape[1]
+    if plan is None:
+        return transformer.response_hidden(params, cfg, layout.tokens_BxS, layout.attn_mask_BxS, N, dtype=dtype)
+    hidden = packed_hidden(params, cfg, pack_tokens(layout.tokens_BxS, plan), plan, dtype=dtype)
+    return jax.lax.stop_gradient(compact_hidden(hidden, plan))
+
+
 def teacher_fields(teacher_params: Any, layout: SequenceLayout, *, teacher_cfg: ModelConfig,
-                   loss_cfg: LossConfig, student_topk_ids_BxNxK=None) -> dict[str, jax.Array]:
+                   loss_cfg: LossConfig, student_topk_ids_BxNxK=None, plan: PackPlan | None = None
+                   ) -> dict[str, jax.Array]:
     """`LossBatch` fields from the teacher (no gradient): teacher_topk_ids_BxTxK / _logprobs_BxTxK (the support:
     the teacher's top-K, plus the ids `loss.support` adds, with `support_mask_BxTxK`) and
-    teacher_target_logprobs_BxT always, teacher_logits_BxTxV when the loss kind needs them."""
-    N = layout.targets_BxN.shape[1]
-    hidden = transformer.response_hidden(teacher_params, teacher_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N)
+    teacher_target_logprobs_BxT always, teacher_logits_BxTxV when the loss kind needs them. Packed (`plan`):
+    the teacher runs on the packed rows and the per-chunk fields come in the compact layout (the target
+    log-probs, read after the chunks, in the padded one)."""
+    hidden = scored_hidden(teacher_params, teacher_cfg, layout, plan)
+    targets, extra = layout.targets_BxN, support_extra_ids(layout, student_topk_ids_BxNxK, loss_cfg)
+    if plan is not None:
+        targets = to_compact(targets, plan.compact)
+        extra = None if extra is None else to_compact(extra, plan.compact)
     out = teacher_scores(hidden, teacher_params, k=min(loss_cfg.top_k, teacher_cfg.vocab_size),
-                         chunk=loss_cfg.chunk_size, targets_BxT=layout.targets_BxN, temperature=loss_cfg.temperature,
-                         extra_ids_BxTxE=support_extra_ids(layout, student_topk_ids_BxNxK, loss_cfg))
+                         chunk=loss_cfg.chunk_size, targets_BxT=targets, temperature=loss_cfg.temperature,
+                         extra_ids_BxTxE=extra)
     if OBJECTIVES[loss_cfg.kind].needs_teacher_logits:
         out["teacher_logits_BxTxV"] = transformer.logits_from_hidden(teacher_params, hidden)
+    if plan is not None:  # what the kind does not read per chunk goes back to the padded layout
+        chunked = compact_fields(loss_cfg)
+        out = {k: v if k in chunked else from_compact(v, plan.compact) for k, v in out.items()}
     return out
 
 
 def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: ModelConfig, loss_cfg: LossConfig,
-                       dtype) -> jax.Array:
+                       dtype, plan: PackPlan | None = None) -> jax.Array:
     """log pi_ref(target) [B, N] of the frozen reference at the loss temperature, chunked like the teacher's
     scores and in the trainer's dtype (so the k3 KL to the starting student is 0 before the first update)."""
-    N = layout.targets_BxN.shape[1]
-    hidden = transformer.response_hidden(reference_params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N,
-                                         dtype=dtype)
-    out = teacher_scores(hidden, reference_params, k=1, chunk=loss_cfg.chunk_size, targets_BxT=layout.targets_BxN,
+    hidden = scored_hidden(reference_params, model_cfg, layout, plan, dtype=dtype)
+    targets = layout.targets_BxN if plan is None else to_compact(layout.targets_BxN, plan.compact)
+    out = teacher_scores(hidden, reference_params, k=1, chunk=loss_cfg.chunk_size, targets_BxT=targets,
                          temperature=loss_cfg.temperature, dtype=dtype)
-    return out["teacher_target_logprobs_BxT"]
+    lp = out["teacher_target_logprobs_BxT"]
+    return lp if plan is None else from_compact(lp, plan.compact)
 
 
 def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None, *, teacher_cfg: ModelConfig,
                   student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str, dtype) -> TrainBatch:
     """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
-    the response-aligned loss fields: the teacher's, the sampler's log-probs, advantages, the reference's)."""
-    sample = rollout.sample
+    the response-aligned loss fields: the teacher's, the sampler's log-probs, advantages, the reference's).
+    With `rollout.plan` (`train.pack`), the sequences are packed: the student's input is the packed rows."""
+    sample, plan = rollout.sample, rollout.plan
     layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
     teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
-                             student_topk_ids_BxNxK=sample.topk_ids_BxNxK)
+                             student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)
     # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
     # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
     # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)
@@ -143,8 +166,13 @@ def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None,
         advantages = jnp.broadcast_to(rollout.advantages_B[:, None], layout.targets_BxN.shape).astype(jnp.float32)
     reference = None
     if reference_params is not None:
-        reference = reference_logprobs(reference_params, layout, model_cfg=student_cfg, loss_cfg=loss_cfg, dtype=dtype)
+        reference = reference_logprobs(reference_params, layout, model_cfg=student_cfg, loss_cfg=loss_cfg, dtype=dtype,
+                                       plan=plan)
     loss = LossBatch(targets_BxT=layout.targets_BxN, response_mask_BxT=layout.response_mask_BxN,
                      sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
-                     advantages_BxT=advantages, reference_logprobs_BxT=reference, **teacher)
-    return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)
+                     advantages_BxT=advantages, reference_logprobs_BxT=reference,
+                     compact=None if plan is None else plan.compact, **teacher)
+    if plan is None:
+        return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)
+    return TrainBatch(tokens_BxS=pack_tokens(layout.tokens_BxS, plan), attn_mask_BxS=plan.segment_BpxC > 0,
+                      loss=loss, plan=plan)

@@ -1,0 +1,145 @@
+"""Packed scoring and update (`train.pack`) against the padded computation: the plan covers every real token
+once, the packed forward equals the padded one, and for every loss kind that reads per-token fields the loss,
+its metrics and its gradient equal the padded step's (also sharded over 8 devices)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jopd.losses.layout import from_compact, to_compact
+from jopd.models.config import ModelConfig
+from jopd.opd.batch import RolloutArrays
+from jopd.opd.packing import plan_packing
+from jopd.opd.run_config import load_config
+from jopd.opd.step import Rollout, build_step
+from jopd.opd.student_loss import rollout_loss_fn
+from jopd.parallel import mesh as M
+from jopd.sampling.sampler import SampleOutput
+from tests.helpers.tiny_params import numpy_params
+
+STUDENT = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, tie_word_embeddings=False)
+TEACHER = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=12)
+B, P, N, K = 8, 12, 16, 8
+
+
+def test_the_plan_places_every_real_token_once_and_inverts():
+    rng = np.random.default_rng(0)
+    prompt_lens, lengths = rng.integers(1, P + 1, 32), rng.integers(0, N + 1, 32)
+    for shards in (1, 4):
+        plan = plan_packing(prompt_lens, lengths, P, N, shards=shards)
+        rows = 32 // shards
+        Bp, C = plan.src_row_BpxC.shape
+        assert C == P + N and Bp % shards == 0 and Bp // shards <= rows
+        seen = set()
+        for r in range(Bp):
+            s, real = r // (Bp // shards), plan.segment_BpxC[r] > 0
+            for j in np.nonzero(real)[0]:
+                key = (s * rows + plan.src_row_BpxC[r, j], plan.src_col_BpxC[r, j])
+                assert key not in seen
+                seen.add(key)
+            for g in np.unique(plan.segment_BpxC[r][real]):  # a sequence's columns are contiguous, positions 0..n-1
+                cols = np.nonzero(plan.segment_BpxC[r] == g)[0]
+                assert cols[-1] - cols[0] + 1 == len(cols)
+                np.testing.assert_array_equal(plan.position_BpxC[r, cols], np.arange(len(cols)))
+        expected = {(i, c) for i in range(32) for c in range(P - prompt_lens[i], P + lengths[i])}
+        assert seen == expected  # every prompt and response token exactly once
+        compact = plan.compact
+        assert compact.valid_QxC.sum() == lengths.sum()
+        x = np.arange(32 * N).reshape(32, N)
+        back = np.asarray(from_compact(to_compact(x, compact), compact, fill=-1))
+        np.testing.assert_array_equal(back, np.where(np.arange(N)[None] < lengths[:, None], x, -1))
+    assert plan_packing(prompt_lens, lengths, P, N).src_row_BpxC.shape[0] < 32  # it packs: fewer rows
+
+
+def _rollout(seed=0):
+    """Mixed lengths, short prompts: several sequences share a packed row."""
+    rng = np.random.RandomState(seed)
+    prompt_lens = rng.randint(1, P + 1, B)
+    pmask = np.arange(P)[None] >= (P - prompt_lens)[:, None]
+    prompt = np.where(pmask, rng.randint(4, 64, (B, P)), 0).astype(np.int32)
+    lengths = rng.randint(1, N + 1, B).astype(np.int32)
+    valid = np.arange(N)[None] < lengths[:, None]
+    tokens = np.where(valid, rng.randint(3, 64, (B, N)), 0).astype(np.int32)
+    logp = np.where(valid, rng.normal(-2, 0.5, (B, N)), 0).astype(np.float32)
+    full = np.log(rng.dirichlet(np.ones(64), (B, N))).astype(np.float32)
+    topk = np.argsort(rng.rand(B, N, 64), axis=-1)[..., :K].astype(np.int32)
+    sample = SampleOutput(tokens_BxN=tokens, lengths_B=lengths, logprobs_BxN=logp, unprocessed_logprobs_BxN=logp,
+                          done_B=np.ones(B, bool), full_logprobs_BxNxV=full, topk_ids_BxNxK=topk)
+    adv = rng.normal(size=B).astype(np.float32)
+    return RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=pmask, sample=sample, advantages_B=adv), \
+        {"prompt_mask": pmask.astype(np.int32)}
+
+
+def _step(overrides, devices, mesh=("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1")):
+    cfg = load_config(None, [f"data.batch_size={B}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
+                             f"loss.top_k={K}", "loss.chunk_size=5", "optim.learning_rate=1e-2",
+                             "optim.warmup_steps=0", *mesh, *overrides])
+    return build_step(cfg, STUDENT, TEACHER, M.make_mesh(cfg.mesh, devices))
+
+
+def _loss_and_grad(step, arrays, host, teacher, student, reference=None):
+    with jax.set_mesh(step.mesh):
+        batch = step.score(jax.device_put(teacher, step.shardings.teacher), Rollout(arrays, host), reference)
+        fn = jax.jit(jax.value_and_grad(rollout_loss_fn(step.student_cfg, step.loss_cfg), has_aux=True))
+        (loss, metrics), grads = fn(jax.device_put(student, step.shardings.student), batch)
+    return float(loss), jax.device_get(metrics), jax.device_get(grads), batch
+
+
+KINDS = {
+    "topk_rkl_tail": ["loss.kind=topk_rkl_tail"],
+    "topk_rkl union+sampled, tis": ["loss.kind=topk_rkl", "loss.support_sampled=true", "loss.is_mode=tis"],
+    "topk_rkl teacher_topk": ["loss.kind=topk_rkl", "loss.support=teacher_topk"],
+    "sampled_opd gamma": ["loss.kind=sampled_opd", "loss.gamma=0.9"],
+    "rkl, exact mismatch": ["loss.kind=rkl", "train.mismatch=exact"],
+    "fkl": ["loss.kind=fkl"],
+    "jsd": ["loss.kind=jsd", "loss.jsd_beta=0.3"],
+    "reinforce kl": ["loss.kind=reinforce", "loss.kl_coef=0.1", "loss.template_token_ids=[5]"],
+    "grpo icepop, token_sum_norm": ["loss.kind=grpo", "rl.group_size=2", "loss.is_mode=icepop", "loss.icepop_low=1e-6",
+                                    "loss.icepop_high=1e6",
+                                    "loss.token_sum_norm=true", "loss.special_token_ids=[7]"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_packed_loss_and_gradient_equal_the_padded_ones(kind):
+    student = jax.tree.map(lambda x: 3 * x, numpy_params(STUDENT, seed=0))
+    teacher = jax.tree.map(lambda x: 3 * x, numpy_params(TEACHER, seed=7))
+    arrays, host = _rollout()
+    out = {}
+    for pack in (False, True):
+        step = _step(KINDS[kind] + [f"train.pack={pack}"], jax.devices()[:1])
+        if not step.cfg.train.mismatch == "exact":
+            arrays = arrays.replace(sample=arrays.sample._replace(full_logprobs_BxNxV=None))
+        reference = step.place_reference(student) if step.uses_reference else None
+        out[pack] = _loss_and_grad(step, arrays, host, teacher, student, reference)
+    (l0, m0, g0, b0), (l1, m1, g1, b1) = out[False], out[True]
+    assert b1.plan is not None and b1.tokens_BxS.shape[0] < B  # packed: fewer rows than the padded batch
+    assert abs(l0) > 1e-4 and l1 == pytest.approx(l0, rel=1e-5, abs=1e-7)
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    rel = optax.tree.norm(jax.tree.map(np.subtract, g1, g0)) / optax.tree.norm(g0)
+    assert optax.tree.norm(g0) > 0 and rel < 1e-5, rel
+
+
+def test_packed_step_on_eight_devices_equals_the_padded_one_device_step():
+    student = jax.tree.map(lambda x: 3 * x, numpy_params(STUDENT, seed=0))
+    teacher = jax.tree.map(lambda x: 3 * x, numpy_params(TEACHER, seed=7))
+    arrays, host = _rollout(seed=3)
+    arrays = arrays.replace(sample=arrays.sample._replace(full_logprobs_BxNxV=None))
+    one = _loss_and_grad(_step([], jax.devices()[:1]), arrays, host, teacher, student)
+    eight_step = _step(["train.pack=true"], jax.devices(), ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"))
+    eight = _loss_and_grad(eight_step, arrays, host, teacher, student)
+    assert eight[3].plan.shards == 4 and eight[3].plan.compact.shards == 4
+    assert eight[0] == pytest.approx(one[0], rel=1e-5)
+    rel = optax.tree.norm(jax.tree.map(np.subtract, eight[2], one[2])) / optax.tree.norm(one[2])
+    assert rel < 1e-4, rel
+
+
+def test_pack_with_gradient_accumulation_is_refused():
+    with pytest.raises(ValueError, match=r"train.pack: not with optim.grad_accum_steps=2"):
+        _step(["train.pack=true", "optim.grad_accum_steps=2"], jax.devices()[:1])
