@@ -1,6 +1,7 @@
-"""Peak memory of the truncated reverse-KL loss + gradient (chunked; on the teacher's top-K, and on its union with
-the student's top-K, `loss.support=union`) vs a full-vocabulary reverse KL that materializes teacher and student
-[B,T,V] logits.
+"""Peak memory of the reverse-KL losses + gradient: the full-vocabulary RKL as the step computes it (the teacher's
+hidden states and head in the batch, its logits projected one chunk at a time beside the student's) and as it
+did before (the teacher's [B,T,V] logits in the batch, the student's unchunked), and the truncated RKL (chunked;
+on the teacher's top-K, and on its union with the student's top-K, `loss.support=union`).
 
 Compiles `jax.grad` of each loss (w.r.t. the output head and the hidden states) on abstract shapes
 (`jax.ShapeDtypeStruct` -> lower -> compile -> memory_analysis), so it runs in seconds and allocates nothing.
@@ -30,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jopd.losses import LossBatch, LossConfig, token_loss, token_loss_from_logits  # noqa: E402
+from jopd.losses import LossBatch, LossConfig, reverse_kl, token_loss, token_loss_from_logits  # noqa: E402
 from jopd.opd.teacher import teacher_scores, teacher_topk  # noqa: E402
 from jopd.models import transformer as tfm  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402
@@ -47,7 +48,8 @@ def student_variants(B, T, V, D, K, chunks):
     mc = ModelConfig(vocab_size=V, hidden_size=D)
     base = LossBatch(targets_BxT=_sds((B, T), jnp.int32), response_mask_BxT=_sds((B, T), jnp.bool_))
     topk = base.replace(teacher_topk_ids_BxTxK=_sds((B, T, K), jnp.int32), teacher_topk_logprobs_BxTxK=_sds((B, T, K)))
-    full = base.replace(teacher_logits_BxTxV=_sds((B, T, V)))
+    full = base.replace(teacher_hidden_BxTxD=_sds((B, T, D)))
+    t_head = {"embed": _sds((V, D))}
     union = base.replace(teacher_topk_ids_BxTxK=_sds((B, T, 2 * K), jnp.int32),
                          teacher_topk_logprobs_BxTxK=_sds((B, T, 2 * K)), support_mask_BxTxK=_sds((B, T, 2 * K), jnp.bool_))
 
@@ -57,13 +59,21 @@ def student_variants(B, T, V, D, K, chunks):
     def unchunked(cfg):
         return grad_of(lambda h, x, b: token_loss_from_logits(cfg, tfm.logits_from_hidden(h, x), b))
 
-    out = {"full-vocab RKL, teacher+student [B,T,V]": (unchunked(LossConfig(kind="rkl")), full),
+    def materialized_rkl(h, x, teacher_logits_BxTxV):  # full RKL as the step computed it before: the teacher's
+        student = tfm.logits_from_hidden(h, x)  # [B, T, V] logits in the batch, the student's unchunked
+        return (jnp.mean(reverse_kl(student, teacher_logits_BxTxV)),)
+
+    c = chunks[len(chunks) // 2]
+    rkl = LossConfig(kind="rkl", chunk_size=c)
+    out = {"full-vocab RKL, teacher logits [B,T,V] in the batch (before)": (grad_of(materialized_rkl),
+                                                                          _sds((B, T, V))),
+           f"full-vocab RKL, chunked from the teacher's hidden + head (chunk={c})": (
+               grad_of(lambda h, x, b: token_loss(rkl, h, mc, x, b[0], teacher_head=b[1])), (full, t_head)),
            "top-K RKL, unchunked student [B,T,V]": (
                unchunked(LossConfig(kind="topk_rkl", top_k=K, support="teacher_topk")), topk)}
     for c in chunks:
         cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=c, support="teacher_topk")
         out[f"top-K RKL, chunked (chunk={c})"] = (grad_of(lambda h, x, b, cfg=cfg: token_loss(cfg, h, mc, x, b)), topk)
-    c = chunks[len(chunks) // 2]
     cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=c, support="union")
     out[f"union-support RKL (2K ids), chunked (chunk={c})"] = (
         grad_of(lambda h, x, b, cfg=cfg: token_loss(cfg, h, mc, x, b)), union)

@@ -172,7 +172,7 @@ def time_stages(run, state, batches: list[dict], repeats: int):
     for r in range(repeats + 1):
         rollout, t_roll = _blocked(st.rollout, state, batches[r % len(batches)], r)
         tb, t_score = _blocked(st.score, run.teacher_params, rollout)
-        (state, _), t_upd = _blocked(st.update, state, tb)
+        (state, _), t_upd = _blocked(st.update, state, tb, run.teacher_params)
         for k, t in zip(STAGES, (t_roll, t_score, t_upd)):
             (times[k].append(t) if r else first.__setitem__(k, t))
     med = {k: float(np.median(v)) for k, v in times.items()}
@@ -191,7 +191,7 @@ def time_end_to_end(run, state, batches: list[dict], repeats: int, first_step: i
 
 def update_part(run, state, rollout):
     """Teacher scoring + train step on a fixed rollout (the update part)."""
-    return run.step.update(state, run.step.score(run.teacher_params, rollout))
+    return run.step.update(state, run.step.score(run.teacher_params, rollout), run.teacher_params)
 
 
 def time_update_part(run, state, rollout, repeats: int):

@@ -30,7 +30,8 @@ class LossBatch:
     teacher_topk_logprobs_BxTxK: Float[Array, "B T K"] | None = None  # their log-probs under the full softmax
     support_mask_BxTxK: Bool[Array, "B T K"] | None = None  # union supports: False on a repeated id
     teacher_target_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_t(target)
-    teacher_logits_BxTxV: Float[Array, "B T V"] | None = None  # full teacher logits (rkl / fkl / jsd)
+    # the teacher's final hidden states at the positions (rkl / fkl / jsd: projected by its head per chunk)
+    teacher_hidden_BxTxD: Float[Array, "B T D"] | None = None
     sampler_logprobs_BxT: Float[Array, "B T"] | None = None  # log q(target) from the rollout engine
     sampler_full_logprobs_BxTxV: Float[Array, "B T V"] | None = None  # the sampler's log-softmax (exact mismatch)
     advantages_BxT: Float[Array, "B T"] | None = None  # per-token advantages (RL kinds)

@@ -20,6 +20,7 @@ from jopd.losses.kinds import OBJECTIVES, Objective, divergence_reduce
 from jopd.losses.masks import masked_mean
 from jopd.losses.policy_gradient import (clipped_ratio_surrogate, opd_advantages, policy_gradient_surrogate,
                                          reference_kl_k3, softmax_entropy)
+from jopd.models.transformer import logits_from_hidden
 
 _TOPK = ("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK")
 
@@ -40,9 +41,11 @@ def _topk_rkl_tail(cfg, logits, inp):
 
 
 def _full(divergence):
-    """A full-vocabulary divergence against `teacher_logits_BxTxV` (scaled by the same temperature)."""
+    """A full-vocabulary divergence against the teacher's logits, projected from its hidden states by its head
+    in this chunk only (scaled by the same temperature)."""
     def per_position(cfg, logits, inp):
-        teacher = inp["teacher_logits_BxTxV"].astype(jnp.float32) / cfg.temperature
+        head = jax.lax.stop_gradient(inp["teacher_head"])
+        teacher = logits_from_hidden(head, inp["teacher_hidden_BxTxD"]) / cfg.temperature  # fp32
         return {"divergence": divergence(cfg, logits, teacher)}
     return per_position
 
@@ -132,10 +135,11 @@ def _grpo_reduce(cfg, logp, terms, batch, mask, weights):
 OBJECTIVES.add("topk_rkl", Objective(_TOPK, (), _topk_rkl, _support_reduce, support_ids="teacher_topk_ids_BxTxK"))
 OBJECTIVES.add("topk_rkl_tail", Objective(_TOPK, (), _topk_rkl_tail, _support_reduce))
 OBJECTIVES.add("sampled_opd", Objective((), ("teacher_target_logprobs_BxT",), _none, _sampled_opd_reduce))
-OBJECTIVES.add("rkl", Objective(("teacher_logits_BxTxV",), (), _full(lambda cfg, s, t: div.reverse_kl(s, t))))
-OBJECTIVES.add("fkl", Objective(("teacher_logits_BxTxV",), (), _full(lambda cfg, s, t: div.forward_kl(s, t))))
-OBJECTIVES.add("jsd", Objective(("teacher_logits_BxTxV",), (),
-                                _full(lambda cfg, s, t: div.generalized_jsd(s, t, cfg.jsd_beta))))
+_FULL = dict(chunk_fields=("teacher_hidden_BxTxD",), after_fields=(), reads_teacher_head=True)
+OBJECTIVES.add("rkl", Objective(per_position=_full(lambda cfg, s, t: div.reverse_kl(s, t)), **_FULL))
+OBJECTIVES.add("fkl", Objective(per_position=_full(lambda cfg, s, t: div.forward_kl(s, t)), **_FULL))
+OBJECTIVES.add("jsd", Objective(per_position=_full(lambda cfg, s, t: div.generalized_jsd(s, t, cfg.jsd_beta)),
+                                **_FULL))
 OBJECTIVES.add("sft", Objective((), (), _none, _sft_reduce))
 # RL baselines: advantages from correctness rewards (computed on the host), one per token; grpo's clipped ratio
 # reads the sampler's log-probs of the sampled tokens (the behaviour policy).

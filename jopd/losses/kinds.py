@@ -54,7 +54,9 @@ class Objective:
     hands them in `advantages_BxT`); `grouped`: rollouts come in groups of `rl.group_size` per prompt;
     `reuses_rollouts`: it may take `rl.inner_updates > 1` updates per rollout batch; `baselines`: the
     `rl.baseline` values it honours; `reads_reference`: with `loss.kl_coef > 0` it reads the frozen starting
-    student's log-probs (`reference_logprobs_BxT`)."""
+    student's log-probs (`reference_logprobs_BxT`). `reads_teacher_head`: the step hands the teacher's LM head
+    to the loss (`inputs["teacher_head"]` in every chunk), e.g. to project `teacher_hidden_BxTxD` to the
+    teacher's logits one chunk at a time (the full-vocabulary kinds: no [B, N, V] teacher tensor exists)."""
 
     chunk_fields: tuple[str, ...]
     after_fields: tuple[str, ...]
@@ -66,6 +68,7 @@ class Objective:
     reuses_rollouts: bool = False
     baselines: tuple[str, ...] = ("batch_mean",)
     reads_reference: bool = False
+    reads_teacher_head: bool = False  # per chunk, `inputs["teacher_head"]`: the teacher's LM head (no gradient)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -76,8 +79,8 @@ class Objective:
         return self.advantages is not None
 
     @property
-    def needs_teacher_logits(self) -> bool:
-        return "teacher_logits_BxTxV" in self.fields
+    def needs_teacher_hidden(self) -> bool:
+        return "teacher_hidden_BxTxD" in self.fields
 
     @property
     def needs_teacher_topk(self) -> bool:

@@ -51,3 +51,9 @@ def from_compact(y_QxC, layout: CompactLayout, fill=0):
     idx = layout.compact_index_BxN.reshape(shards, B // shards, -1)
     out = jax.vmap(lambda f, i: f[i])(flat, idx)
     return out.reshape(B, *out.shape[2:])
+
+
+def compact_chunk(chunk_size: int, padded_rows: int, compact_rows: int, width: int) -> int:
+    """Positions per chunk along a compact row so that a chunk holds no more positions than a padded chunk would
+    (padded_rows x chunk_size): the loss's and the teacher's peak [rows, chunk, V] logits stay what they were."""
+    return max(1, min(width, chunk_size * padded_rows // max(compact_rows, 1)))

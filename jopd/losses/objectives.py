@@ -34,7 +34,7 @@ from jopd.losses.config import LossConfig
 from jopd.losses.is_correction import (exact_kl_BxT, importance_ratio, importance_weights, is_metrics,
                                       mismatch_estimators)
 from jopd.losses.kinds import OBJECTIVES, Metrics, Objective
-from jopd.losses.layout import from_compact, to_compact
+from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.models.config import ModelConfig
 
@@ -47,11 +47,14 @@ def needs_reference(cfg: LossConfig) -> bool:
     return OBJECTIVES[cfg.kind].reads_reference and cfg.kl_coef > 0
 
 
-def _chunk_terms(cfg: LossConfig, logits_BxCxV: jax.Array, inp: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+def _chunk_terms(cfg: LossConfig, teacher_head, logits_BxCxV: jax.Array, inp: Mapping[str, jax.Array]
+                 ) -> dict[str, jax.Array]:
     logits = logits_BxCxV.astype(jnp.float32)
     if cfg.temperature != 1.0:
         logits = logits / cfg.temperature
     out = {"target_logprobs": div.token_logprobs(logits, inp["targets_BxT"])}
+    if teacher_head is not None:  # the same head in every chunk (not sliced)
+        inp = dict(inp, teacher_head=teacher_head)
     out.update(OBJECTIVES[cfg.kind].per_position(cfg, logits, inp))
     if "sampler_full_logprobs_BxTxV" in inp:  # exact mismatch KL(sampler || trainer), full vocab, no gradient
         # the lab's formula (`jopd mismatch` computes the same outside the step); logits are already at temperature
@@ -88,7 +91,7 @@ def _padded(cfg: LossConfig, batch: LossBatch, terms: Mapping[str, jax.Array]):
     return (batch.replace(compact=None, **back), {k: from_compact(v, layout) for k, v in terms.items()})
 
 
-def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None) -> None:
+def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None, teacher_head=None) -> None:
     """Every field the kind needs is set, and every set field starts with (B, T) — a packed batch's chunk fields
     with the compact layout's (Q, Cq) — (trace time: shapes only)."""
     obj = OBJECTIVES[cfg.kind]
@@ -117,9 +120,13 @@ def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None) -> 
         if cfg.extra_support and batch.support_mask_BxTxK is None:
             raise ValueError(f"LossBatch.support_mask_BxTxK: missing (needed by LossConfig.support={cfg.support!r}, "
                              f"support_sampled={cfg.support_sampled})")
-    if obj.needs_teacher_logits and vocab is not None and batch.teacher_logits_BxTxV.shape[-1] != vocab:
-        raise ValueError(f"LossBatch.teacher_logits_BxTxV: vocab {batch.teacher_logits_BxTxV.shape[-1]} != "
-                         f"student vocab {vocab}")
+    if obj.reads_teacher_head:
+        if teacher_head is None:
+            raise ValueError(f"token_loss: teacher_head missing (LossConfig.kind={cfg.kind!r} projects the teacher's "
+                             f"hidden states with it)")
+        head_V = (teacher_head["lm_head"].shape[-1] if "lm_head" in teacher_head else teacher_head["embed"].shape[0])
+        if vocab is not None and head_V != vocab:
+            raise ValueError(f"token_loss: the teacher's head has vocab {head_V} != student vocab {vocab}")
 
 
 def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -> tuple[jax.Array, Metrics]:
@@ -167,6 +174,7 @@ def token_loss(
     batch: LossBatch,
     *,
     dtype=jnp.float32,
+    teacher_head: Mapping[str, jax.Array] | None = None,
 ) -> tuple[Float[Array, ""], Metrics]:
     """Scalar loss and metrics from the student's final hidden states, projected to logits chunk by chunk.
 
@@ -179,7 +187,8 @@ def token_loss(
 
     `batch` fields (see `LossBatch`; each kind's needs are declared in `OBJECTIVES`): targets and response
     mask always; teacher top-K ids/log-probs (topk kinds, K = cfg.top_k, from `teacher_scores`); teacher
-    target log-probs (sampled_opd, and the teacher_kl_k1 metric); full teacher logits (rkl / fkl / jsd);
+    target log-probs (sampled_opd, and the teacher_kl_k1 metric); the teacher's hidden states (rkl / fkl / jsd,
+    with `teacher_head`: its `{"lm_head"}` or `{"embed"}` leaf, which projects them chunk by chunk);
     advantages (reinforce / grpo); reference log-probs (reinforce / grpo with kl_coef > 0); sampler log-probs
     of the targets (required by grpo and if is_mode != none, otherwise optional: mismatch and IS metrics); the
     sampler's full log-softmax (optional: the exact mismatch_kl);
@@ -200,21 +209,24 @@ def token_loss(
     rows = batch.compact.shape if batch.compact is not None else tuple(batch.targets_BxT.shape)
     if rows != (B, T):
         raise ValueError(f"token_loss: the batch's positions {rows} != hidden (B, T)={(B, T)}")
-    check_batch(cfg, batch, model_cfg.vocab_size)
-    terms = chunked_logits_map(functools.partial(_chunk_terms, cfg), student_params, hidden_BxTxD,
-                               _chunk_inputs(cfg, batch), cfg.chunk_size, dtype=dtype, remat=True,
+    check_batch(cfg, batch, model_cfg.vocab_size, teacher_head)
+    chunk = cfg.chunk_size
+    if batch.compact is not None:
+        chunk = compact_chunk(chunk, batch.targets_BxT.shape[0], B, T)
+    terms = chunked_logits_map(functools.partial(_chunk_terms, cfg, teacher_head), student_params, hidden_BxTxD,
+                               _chunk_inputs(cfg, batch), chunk, dtype=dtype, remat=True,
                                support_ids_key=OBJECTIVES[cfg.kind].support_ids)
     batch, terms = _padded(cfg, batch, terms)
     return _reduce(cfg, terms, batch)
 
 
-def token_loss_from_logits(cfg: LossConfig, logits_BxTxV: Float[Array, "B T V"], batch: LossBatch
-                           ) -> tuple[Float[Array, ""], Metrics]:
+def token_loss_from_logits(cfg: LossConfig, logits_BxTxV: Float[Array, "B T V"], batch: LossBatch,
+                           teacher_head: Mapping[str, jax.Array] | None = None) -> tuple[Float[Array, ""], Metrics]:
     """Same loss from already materialized student logits (unchunked reference; tests, small vocab)."""
-    check_batch(cfg, batch, logits_BxTxV.shape[-1])
+    check_batch(cfg, batch, logits_BxTxV.shape[-1], teacher_head)
     obj = OBJECTIVES[cfg.kind]
     inp = _chunk_inputs(cfg, batch)
     if obj.support_ids is not None:
         inp["support_logits"] = jnp.take_along_axis(logits_BxTxV, inp[obj.support_ids].astype(jnp.int32), axis=-1)
-    batch, terms = _padded(cfg, batch, _chunk_terms(cfg, logits_BxTxV, inp))
+    batch, terms = _padded(cfg, batch, _chunk_terms(cfg, teacher_head, logits_BxTxV, inp))
     return _reduce(cfg, terms, batch)

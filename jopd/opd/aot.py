@@ -33,6 +33,7 @@ from jopd.opd.run_config import ModelSource, RunConfig
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
+from jopd.losses.chunked import head_params
 from jopd.opd.batch import RolloutArrays
 from jopd.opd.step import build_step, rollouts_per_prompt
 from jopd.sampling.sampler import RowRandomness
@@ -354,6 +355,7 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
     batch = jax.eval_shape(step.score_fn, teacher, rollout, *reference)
     batch = _abstract(batch, jax.tree.map(lambda _: sh.batch, batch))
 
+    head = (head_params(teacher),) if step.uses_teacher_head else ()  # the full-vocabulary kinds read it per chunk
     buffers = {"train_state": _bytes(state), "teacher_params": _bytes(teacher),
                "sampler_params": _bytes(sampler_params), "kv_cache": _bytes(cache), "rollout": _bytes(sample)}
     frozen = ("teacher_params",)  # held all run long
@@ -371,6 +373,6 @@ def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh)
                    held("train_state", *frozen)),
         "teacher_scoring": (lambda: step.score_fn.lower(teacher, rollout, *reference),
                             held("train_state", "sampler_params", "kv_cache", "rollout")),
-        "train_step": (lambda: step.update_fn.lower(state, batch), held(*frozen, "kv_cache")),
+        "train_step": (lambda: step.update_fn.lower(state, batch, *head), held(*frozen, "kv_cache")),
     }
     return programs, buffers

@@ -47,10 +47,12 @@ def _round_up(n: int, k: int) -> int:
 def plan_packing(prompt_lens_B: np.ndarray, response_lens_B: np.ndarray, prompt_width: int, n_response: int, *,
                  shards: int = 1, granularity: int | None = None, compact_width: int | None = None) -> PackPlan:
     """First-fit decreasing of each shard's sequences (prompt + response) into rows of P + N columns, and the
-    compact layout of their response tokens (rows of `compact_width`, default N). `granularity`: packed and
-    compact row counts per shard are multiples of it (default: an eighth of the shard's rows, at least 1)."""
+    compact layout of their response tokens (rows of `compact_width`, default min(N, 32): little rounding waste;
+    the loss sizes its chunks to the compact rows, `compact_chunk`). `granularity`: the packed row count per
+    shard is a multiple of it (default: an eighth of the shard's rows), the compact one of a sixteenth of its
+    most (all rows at N tokens): few shapes compile."""
     P, N = prompt_width, n_response
-    C, Cq = P + N, compact_width or N
+    C, Cq = P + N, compact_width or min(N, 32)
     p_all, l_all = np.asarray(prompt_lens_B, np.int64), np.asarray(response_lens_B, np.int64)
     B = len(p_all)
     if B % shards:
@@ -74,7 +76,8 @@ def plan_packing(prompt_lens_B: np.ndarray, response_lens_B: np.ndarray, prompt_
             bins[b] += n[i]
         per_shard.append((p, l, where, len(bins), int(l.sum())))
     Bp = min(_round_up(max(x[3] for x in per_shard), g), rows)
-    Q = _round_up(max(1, -(-max(x[4] for x in per_shard) // Cq)), g)
+    most = -(-rows * N // Cq)
+    Q = min(_round_up(max(1, -(-max(x[4] for x in per_shard) // Cq)), granularity or max(1, most // 16)), most)
 
     out = {k: [] for k in ("src_row", "src_col", "segment", "position", "hid_row", "hid_col", "resp_row", "resp_t",
                            "valid", "compact")}
@@ -136,3 +139,4 @@ def packed_hidden(params, cfg, tokens_BpxC, plan: PackPlan, *, dtype=jnp.float32
                                     positions_BxT=plan.position_BpxC, segment_ids_BxT=plan.segment_BpxC,
                                     dtype=dtype, return_hidden=True, remat=remat)
     return hidden
+

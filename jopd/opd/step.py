@@ -4,7 +4,7 @@
     state = step.init_state(student_params, seed)
     rollout = step.rollout(state, prompt_batch, n)       # weight sync + sampler (rollout precision, noise)
     train_batch = step.score(teacher_params, rollout)    # teacher forward -> the loss fields
-    state, metrics = step.update(state, train_batch)     # student forward/backward, Optax
+    state, metrics = step.update(state, train_batch, teacher_params)   # student forward/backward, Optax
 
 Every device stage is jitted once here with explicit shardings (pjit's modern form): TRAIN rules (fsdp x
 tensor) for the student, its optimizer state and the teacher; SAMPLE rules (tensor only) for the rollout copy
@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jopd.data.tasks import TASKS
 from jopd.losses import LossConfig
+from jopd.losses.chunked import head_params
 from jopd.losses.objectives import OBJECTIVES, Objective, needs_reference
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
@@ -172,7 +173,9 @@ class OPDStep:
     # jit: (teacher, RolloutArrays[, reference]) -> TrainBatch; the third argument, the reference params
     # (trainer layout), exists iff `uses_reference`
     score_fn: Any
-    update_fn: Any  # jit: (state, TrainBatch) -> (state, metrics); state donated
+    # jit: (state, TrainBatch[, teacher head]) -> (state, metrics); state donated; the teacher's LM head (its
+    # `lm_head` or `embed` leaf, teacher layout) exists iff `uses_teacher_head`
+    update_fn: Any
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
     repeat_fn: Any  # jit: (prompt_UxP, mask_UxP) -> each prompt G times, rows r*G .. r*G+G-1 (the scored layout)
 
@@ -270,8 +273,18 @@ class OPDStep:
             args += (reference_params,)
         return self.score_fn(*args)
 
-    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
-        return self.update_fn(state, batch)
+    @property
+    def uses_teacher_head(self) -> bool:
+        """update needs the teacher's LM head (the full-vocabulary kinds project its hidden states per chunk)."""
+        return self.objective.reads_teacher_head
+
+    def update(self, state: TrainState, batch: TrainBatch, teacher_params=None) -> tuple[TrainState, dict]:
+        if not self.uses_teacher_head:
+            return self.update_fn(state, batch)
+        if teacher_params is None:
+            raise ValueError(f"RunConfig.loss.kind={self.loss_cfg.kind}: OPDStep.update needs the teacher params (its "
+                             f"LM head projects the teacher's hidden states chunk by chunk)")
+        return self.update_fn(state, batch, head_params(teacher_params))
 
     def __call__(self, state: TrainState, teacher_params, batch: dict[str, np.ndarray], step: int,
                  reference_params=None):
@@ -283,7 +296,7 @@ class OPDStep:
         for i in range(self.cfg.rl.inner_updates):
             if i:  # XLA:CPU can deadlock two queued programs' collectives (8 simulated devices): one at a time
                 jax.block_until_ready(state)
-            state, metrics = self.update(state, train_batch)
+            state, metrics = self.update(state, train_batch, teacher_params)
             history.append(metrics)
         if len(history) > 1:  # state.step counts rollout batches (the loop, checkpoints and resume rely on it)
             state = state.replace(step=state.step - (len(history) - 1))
@@ -390,8 +403,9 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
+    in_sh = (sh.state, batch) + ((head_params(sh.teacher),) if objective.reads_teacher_head else ())
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
-                        in_shardings=(sh.state, batch), out_shardings=(sh.state, None), donate_argnums=0)
+                        in_shardings=in_sh, out_shardings=(sh.state, None), donate_argnums=0)
     G = rollouts_per_prompt(cfg)
     repeat_fn = jax.jit(lambda *xs: tuple(jnp.repeat(x, G, axis=0) for x in xs), in_shardings=batch,
                         out_shardings=batch)

@@ -22,17 +22,19 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
     """OPD / RL objective on a `TrainBatch` (prompt + response, response-aligned loss fields). Only the
     positions that predict response tokens are projected to logits: the N slots of each padded row, or, for
     packed rows, the real response tokens alone. `remat`: recompute each layer in the backward pass (see
-    `transformer.forward`)."""
+    `transformer.forward`). `teacher_head` (frozen): the teacher's LM head, for the kinds that project the
+    teacher's hidden states chunk by chunk (`Objective.reads_teacher_head`)."""
 
-    def loss_fn(params, batch: TrainBatch):
+    def loss_fn(params, batch: TrainBatch, teacher_head=None):
         if batch.plan is not None:  # packed rows: the hidden states that predict response tokens, compact
             hidden = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat)
             return token_loss(loss_cfg, params, model_cfg, compact_hidden(hidden, batch.plan), batch.loss,
-                              dtype=dtype)
+                              dtype=dtype, teacher_head=teacher_head)
         hidden, _ = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg, attn_mask_BxT=batch.attn_mask_BxS,
                                         dtype=dtype, return_hidden=True, remat=remat)
         S, N = batch.tokens_BxS.shape[1], batch.n_response
-        return token_loss(loss_cfg, params, model_cfg, hidden[:, S - N - 1:S - 1], batch.loss, dtype=dtype)
+        return token_loss(loss_cfg, params, model_cfg, hidden[:, S - N - 1:S - 1], batch.loss, dtype=dtype,
+                          teacher_head=teacher_head)
 
     return loss_fn
 

@@ -18,7 +18,7 @@ from jopd.losses.kinds import OBJECTIVES
 from jopd.losses.objectives import compact_fields
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
-from jopd.losses.layout import from_compact, to_compact
+from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.opd.batch import RolloutArrays, SequenceLayout, TrainBatch, sequence_layout
 from jopd.opd.packing import PackPlan, compact_hidden, pack_tokens, packed_hidden
 
@@ -112,12 +112,20 @@ def scored_hidden(params, cfg: ModelConfig, layout: SequenceLayout, plan: PackPl
     return jax.lax.stop_gradient(compact_hidden(hidden, plan))
 
 
+def _chunk(loss_cfg: LossConfig, layout: SequenceLayout, hidden, plan: PackPlan | None) -> int:
+    """The scoring's positions per chunk: `loss.chunk_size`; on compact rows, as many positions per chunk as a
+    padded chunk holds."""
+    if plan is None:
+        return loss_cfg.chunk_size
+    return compact_chunk(loss_cfg.chunk_size, layout.targets_BxN.shape[0], *hidden.shape[:2])
+
+
 def teacher_fields(teacher_params: Any, layout: SequenceLayout, *, teacher_cfg: ModelConfig,
                    loss_cfg: LossConfig, student_topk_ids_BxNxK=None, plan: PackPlan | None = None
                    ) -> dict[str, jax.Array]:
     """`LossBatch` fields from the teacher (no gradient): teacher_topk_ids_BxTxK / _logprobs_BxTxK (the support:
     the teacher's top-K, plus the ids `loss.support` adds, with `support_mask_BxTxK`) and
-    teacher_target_logprobs_BxT always, teacher_logits_BxTxV when the loss kind needs them. Packed (`plan`):
+    teacher_target_logprobs_BxT always, teacher_hidden_BxTxD when the loss kind needs them. Packed (`plan`):
     the teacher runs on the packed rows and the per-chunk fields come in the compact layout (the target
     log-probs, read after the chunks, in the padded one)."""
     hidden = scored_hidden(teacher_params, teacher_cfg, layout, plan)
@@ -126,10 +134,10 @@ def teacher_fields(teacher_params: Any, layout: SequenceLayout, *, teacher_cfg: 
         targets = to_compact(targets, plan.compact)
         extra = None if extra is None else to_compact(extra, plan.compact)
     out = teacher_scores(hidden, teacher_params, k=min(loss_cfg.top_k, teacher_cfg.vocab_size),
-                         chunk=loss_cfg.chunk_size, targets_BxT=targets, temperature=loss_cfg.temperature,
-                         extra_ids_BxTxE=extra)
-    if OBJECTIVES[loss_cfg.kind].needs_teacher_logits:
-        out["teacher_logits_BxTxV"] = transformer.logits_from_hidden(teacher_params, hidden)
+                         chunk=_chunk(loss_cfg, layout, hidden, plan), targets_BxT=targets,
+                         temperature=loss_cfg.temperature, extra_ids_BxTxE=extra)
+    if OBJECTIVES[loss_cfg.kind].needs_teacher_hidden:  # the loss projects them with the head, chunk by chunk
+        out["teacher_hidden_BxTxD"] = hidden
     if plan is not None:  # what the kind does not read per chunk goes back to the padded layout
         chunked = compact_fields(loss_cfg)
         out = {k: v if k in chunked else from_compact(v, plan.compact) for k, v in out.items()}
@@ -142,8 +150,8 @@ def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: M
     scores and in the trainer's dtype (so the k3 KL to the starting student is 0 before the first update)."""
     hidden = scored_hidden(reference_params, model_cfg, layout, plan, dtype=dtype)
     targets = layout.targets_BxN if plan is None else to_compact(layout.targets_BxN, plan.compact)
-    out = teacher_scores(hidden, reference_params, k=1, chunk=loss_cfg.chunk_size, targets_BxT=targets,
-                         temperature=loss_cfg.temperature, dtype=dtype)
+    out = teacher_scores(hidden, reference_params, k=1, chunk=_chunk(loss_cfg, layout, hidden, plan),
+                         targets_BxT=targets, temperature=loss_cfg.temperature, dtype=dtype)
     lp = out["teacher_target_logprobs_BxT"]
     return lp if plan is None else from_compact(lp, plan.compact)
 

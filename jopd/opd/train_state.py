@@ -73,25 +73,27 @@ def _split_microbatches(batch: Batch, n: int) -> Batch:
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, grad_accum_steps: int = 1,
                     skip_nonfinite: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """Builds the pure step. Metrics are averaged over micro-batches; `grad_norm` is of the mean gradient.
+    """Builds the pure step `step(state, batch, *frozen)`: `frozen` are extra inputs of `loss_fn(params, batch,
+    *frozen)` that are not trained (e.g. the teacher's head). Metrics are averaged over micro-batches;
+    `grad_norm` is of the mean gradient.
 
     `skip_nonfinite`: when the loss or the gradient norm is NaN/Inf, the step keeps the params and optimizer
     state as they were (decided on the device, so a bad update never exists anywhere, not even in a state the
     host has not looked at yet) and reports `nonfinite` = 1; the step counter still advances."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def step(state: TrainState, batch: Batch):
+    def step(state: TrainState, batch: Batch, *frozen):
         if grad_accum_steps == 1:
-            (loss, metrics), grads = grad_fn(state.params, batch)
+            (loss, metrics), grads = grad_fn(state.params, batch, *frozen)
         else:
             micro = _split_microbatches(batch, grad_accum_steps)
 
             def accumulate(acc, mb):
-                (loss, metrics), grads = grad_fn(state.params, mb)
+                (loss, metrics), grads = grad_fn(state.params, mb, *frozen)
                 return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
-            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, first))
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, first, *frozen))
             zeros = (zeros[0][0], zeros[0][1], zeros[1])
             (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, micro)
             inv = 1.0 / grad_accum_steps

@@ -12,6 +12,7 @@ from jopd.config_dataclass import ConfigError, build
 from jopd.losses import (LossBatch, LossConfig, discounted_future_sum, forward_kl, generalized_jsd, importance_ratio,
                          importance_weights, is_metrics, loss_mask, mismatch_estimators, reverse_kl,
                          token_logprobs, token_loss_from_logits, topk_reverse_kl, topk_tail_reverse_kl)
+from jopd.losses.kinds import OBJECTIVES
 
 B, T, V, K = 2, 6, 11, 4
 SPECIAL = (9, 10)
@@ -46,9 +47,18 @@ def _batch(kind, s_logits, t_logits, k=K, seed=0, **extra):
     elif kind == "sampled_opd":
         batch["teacher_target_logprobs_BxT"] = token_logprobs(jnp.asarray(t_logits, jnp.float32),
                                                               batch["targets_BxT"])
-    elif kind in ("rkl", "fkl", "jsd"):
-        batch["teacher_logits_BxTxV"] = jnp.asarray(t_logits, jnp.float32)
+    elif kind in ("rkl", "fkl", "jsd"):  # the teacher's "hidden states" are its logits, its head the identity
+        batch["teacher_hidden_BxTxD"] = jnp.asarray(t_logits, jnp.float32)
     return LossBatch(**batch, **extra)
+
+
+def identity_head(v):
+    """A teacher head that maps hidden states to themselves: `teacher_hidden_BxTxD` then holds the logits."""
+    return {"lm_head": jnp.eye(v, dtype=jnp.float32)}
+
+
+def _head(cfg, v):
+    return identity_head(v) if OBJECTIVES[cfg.kind].reads_teacher_head else None
 
 
 def _cfg(kind, **kw):
@@ -57,7 +67,9 @@ def _cfg(kind, **kw):
 
 
 def _loss_and_grad(cfg, logits, batch):
-    return jax.value_and_grad(lambda x: token_loss_from_logits(cfg, x, batch)[0])(jnp.asarray(logits, jnp.float32))
+    head = _head(cfg, np.shape(logits)[-1])
+    return jax.value_and_grad(lambda x: token_loss_from_logits(cfg, x, batch, head)[0])(jnp.asarray(logits,
+                                                                                                 jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------- truncated RKL
@@ -254,8 +266,8 @@ def test_sampled_opd_expected_gradient_matches_full_reverse_kl(gamma):
     cfg = LossConfig(kind="sampled_opd", gamma=gamma)
     g_pg = jax.jit(jax.grad(lambda x: token_loss_from_logits(cfg, jnp.broadcast_to(x, (n, t_len, v)), batch)[0]))(s)
     full = LossBatch(targets_BxT=jnp.zeros((1, t_len), jnp.int32), response_mask_BxT=jnp.ones((1, t_len), bool),
-                     teacher_logits_BxTxV=t[None])
-    g_rkl = jax.grad(lambda x: token_loss_from_logits(LossConfig(kind="rkl"), x[None], full)[0])(s)
+                     teacher_hidden_BxTxD=t[None])
+    g_rkl = jax.grad(lambda x: token_loss_from_logits(LossConfig(kind="rkl"), x[None], full, identity_head(v))[0])(s)
     cos = float(jnp.vdot(g_pg, g_rkl) / (jnp.linalg.norm(g_pg) * jnp.linalg.norm(g_rkl)))
     rel_err = float(jnp.linalg.norm(g_pg - g_rkl) / jnp.linalg.norm(g_rkl))
     assert cos > 0.99 and rel_err < 0.1, (cos, rel_err)

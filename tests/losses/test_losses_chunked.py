@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jopd.losses import LossBatch, LossConfig, token_loss, token_loss_from_logits
+from jopd.losses import LossBatch, LossConfig, loss_mask, token_loss, token_loss_from_logits
+from jopd.losses import divergences as div
+from jopd.losses.chunked import head_params
 from jopd.opd.teacher import teacher_scores, teacher_topk
 from jopd.models import transformer as tfm
 from jopd.models.config import ModelConfig
@@ -47,7 +49,7 @@ def setup():
     scores = teacher_scores(t_hidden, teacher, k=K, chunk=5, targets_BxT=targets)
     sampler = scores["teacher_target_logprobs_BxT"] + jnp.asarray(
         np.random.default_rng(4).normal(size=(B, T)) * 0.2, jnp.float32)
-    batch = LossBatch(targets_BxT=targets, response_mask_BxT=response, teacher_logits_BxTxV=t_logits,
+    batch = LossBatch(targets_BxT=targets, response_mask_BxT=response, teacher_hidden_BxTxD=t_hidden,
                       sampler_logprobs_BxT=sampler, **scores)
     hidden = {"tied": hidden_of(tied), "untied": jax.jit(lambda p: tfm.forward(
         p, inputs, cfg=untied_cfg, attn_mask_BxT=attn, return_hidden=True)[0])(untied)}
@@ -84,11 +86,13 @@ def test_chunked_loss_and_grads_equal_unchunked(setup, kind, chunk, head, extra)
     params, hidden, batch = s["params"][head], s["hidden"][head], s["batch"]
     cfg = LossConfig(kind=kind, top_k=K, chunk_size=chunk, special_token_ids=SPECIAL, support="teacher_topk", **extra)
 
+    teacher_head = head_params(s["teacher"]) if kind == "jsd" else None  # it projects the teacher's hidden states
+
     def chunked(p, h):
-        return token_loss(cfg, p, MC, h, batch)
+        return token_loss(cfg, p, MC, h, batch, teacher_head=teacher_head)
 
     def full(p, h):
-        return token_loss_from_logits(cfg, tfm.logits_from_hidden(p, h), batch)
+        return token_loss_from_logits(cfg, tfm.logits_from_hidden(p, h), batch, teacher_head)
 
     (l_c, m_c), g_c = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True))(params, hidden)
     (l_f, m_f), g_f = jax.jit(jax.value_and_grad(full, argnums=(0, 1), has_aux=True))(params, hidden)
@@ -138,7 +142,7 @@ def test_sharded_loss_and_teacher_scores_equal_single_device(setup):
     rows = P(("data", "fsdp"))
     params, hidden = s["params"]["tied"], s["hidden"]["tied"]
     rep = lambda x: jnp.concatenate([x, x[::-1]], 0)  # noqa: E731  B=4 so the batch splits 4 ways
-    batch = jax.tree.map(rep, s["batch"].replace(teacher_logits_BxTxV=None))
+    batch = jax.tree.map(rep, s["batch"].replace(teacher_hidden_BxTxD=None))
     hidden, t_hidden = rep(hidden), rep(s["t_hidden"])
     cfg = LossConfig(kind="topk_rkl", top_k=K, chunk_size=5, special_token_ids=SPECIAL, is_mode="tis",
                      support="teacher_topk")
@@ -161,3 +165,48 @@ def test_sharded_loss_and_teacher_scores_equal_single_device(setup):
     np.testing.assert_array_equal(out[3]["teacher_topk_ids_BxTxK"], ref[3]["teacher_topk_ids_BxTxK"])
     for a, b in zip(jax.tree.leaves(out[2]), jax.tree.leaves(ref[2])):
         assert float(jnp.linalg.norm(a - b)) / max(float(jnp.linalg.norm(b)), 1e-12) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["rkl", "fkl", "jsd"])
+def test_full_vocabulary_kinds_from_the_teachers_hidden_states_equal_materialized_logits(setup, kind):
+    """The full-vocabulary kinds project the teacher's hidden states with its head one chunk at a time; the loss
+    and its gradient equal the divergence of the materialized [B, T, V] teacher logits (what the step computed
+    before), masked-averaged by hand."""
+    s = setup
+    params, hidden, batch = s["params"]["untied"], s["hidden"]["untied"], s["batch"]
+    cfg = LossConfig(kind=kind, chunk_size=5, special_token_ids=SPECIAL, jsd_beta=0.3, temperature=0.8)
+    fn = {"rkl": div.reverse_kl, "fkl": div.forward_kl,
+          "jsd": lambda a, b: div.generalized_jsd(a, b, 0.3)}[kind]
+    untied = ModelConfig(**{**MC.__dict__, "tie_word_embeddings": False})
+
+    def chunked(p, h):
+        return token_loss(cfg, p, untied, h, batch, teacher_head=head_params(s["teacher"]))[0]
+
+    def materialized(p, h):
+        student = tfm.logits_from_hidden(p, h) / 0.8
+        teacher = s["t_logits"] / 0.8  # the [B, T, V] tensor the step no longer builds
+        mask = loss_mask(batch.response_mask_BxT, batch.targets_BxT, SPECIAL)
+        return jnp.sum(jnp.where(mask, fn(student, teacher), 0.0)) / jnp.sum(mask)
+
+    (l_c, g_c), (l_m, g_m) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, hidden)
+                              for f in (chunked, materialized))
+    assert float(l_m) > 1e-3
+    np.testing.assert_allclose(l_c, l_m, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_m)):
+        assert float(jnp.linalg.norm(a - b)) <= 1e-5 * max(float(jnp.linalg.norm(b)), 1e-12)
+
+
+def test_full_vocabulary_rkl_keeps_no_teacher_logits_tensor():
+    """Compiled memory of full RKL's loss + gradient from the teacher's hidden states and head: O(B * chunk * V),
+    no [B, T, V] (the teacher's logits existed whole in the batch before)."""
+    b, t, v, d, chunk = 1, 512, 8192, 64, 32
+    cfg = LossConfig(kind="rkl", chunk_size=chunk)
+    mc = ModelConfig(vocab_size=v, hidden_size=d)
+    sds = jax.ShapeDtypeStruct
+    head, t_head = {"embed": sds((v, d), jnp.float32)}, {"embed": sds((v, d), jnp.float32)}
+    batch = LossBatch(targets_BxT=sds((b, t), jnp.int32), response_mask_BxT=sds((b, t), bool),
+                      teacher_hidden_BxTxD=sds((b, t, d), jnp.float32))
+    grad = jax.jit(jax.grad(lambda p, h, bt, th: token_loss(cfg, p, mc, h, bt, teacher_head=th)[0], argnums=(0, 1)))
+    compiled = grad.lower(head, sds((b, t, d), jnp.float32), batch, t_head).compile().memory_analysis()
+    logits_bytes = b * t * v * 4
+    assert compiled.temp_size_in_bytes < logits_bytes / 3, (compiled.temp_size_in_bytes, logits_bytes)

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from jopd.losses.chunked import head_params
 from jopd.losses.layout import from_compact, to_compact
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays
@@ -86,7 +87,8 @@ def _loss_and_grad(step, arrays, host, teacher, student, reference=None):
     with jax.set_mesh(step.mesh):
         batch = step.score(jax.device_put(teacher, step.shardings.teacher), Rollout(arrays, host), reference)
         fn = jax.jit(jax.value_and_grad(rollout_loss_fn(step.student_cfg, step.loss_cfg), has_aux=True))
-        (loss, metrics), grads = fn(jax.device_put(student, step.shardings.student), batch)
+        head = (head_params(jax.device_put(teacher, step.shardings.teacher)),) if step.uses_teacher_head else ()
+        (loss, metrics), grads = fn(jax.device_put(student, step.shardings.student), batch, *head)
     return float(loss), jax.device_get(metrics), jax.device_get(grads), batch
 
 

@@ -1,0 +1,247 @@
+"""Where an OPD step's slots go: per stage, the useful fraction (real tokens processed / token slots executed) and
+tokens/s, today's padded step ("before": the static engine, padded scoring and update) beside the one that
+wastes nothing ("after": the slot engine, packed scoring and update), in one run, on three workloads:
+
+  testbed  configs/testbed.yaml: its cached (or freshly SFT-made) models, its prompts, EOS on.
+  smollm2  configs/smollm2_arith.yaml: the fine-tuned SmolLM2-135M teacher and its 20-layer student (cached by
+           `jopd train configs/smollm2_arith.yaml`, or made here), the arithmetic prompts.
+  skewed   SmolLM2-135M's architecture with random weights (teacher 30 layers, student `--skewed-student-layers`),
+           random prompts of 8-56 tokens, up to 256 new tokens; a stop-token set of 1/48 of the vocabulary makes
+           each row stop with probability ~1/48 per token (the near-uniform random model): response lengths
+           spread from 1 to 256 with a long tail (geometric, mean ~48).
+
+Useful fractions: rollout = response tokens / slot-steps (rows + slots x decode passes: every row's first token
+comes from the prefill); forward = real prompt + response tokens / the rows x columns the teacher's and the
+student's forwards run (padded: B x (P + N); packed: the packed rows); head = response tokens / the positions
+the LM head, the teacher's top-K and the loss's per-position terms run on (padded: B x N; packed: the compact
+rows). Stage times are medians of `--steps` blocked steps after `--warmup` (packed shapes compile per row
+bucket); the full step is `--steps` steps dispatched as the loop runs them, blocked once.
+
+    PYTHONPATH=. python benchmarks/step_waste.py [--workloads testbed,smollm2,skewed] [--slots auto]
+Writes step_waste.json / .png under --out (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
+
+apply_cpu_defaults()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jopd.data.pipeline import train_iterator  # noqa: E402
+from jopd.models import transformer  # noqa: E402
+from jopd.models.hf_io import read_hf_config  # noqa: E402
+from jopd.opd import loop  # noqa: E402
+from jopd.opd.run_config import load_config  # noqa: E402
+from jopd.opd.step import build_step  # noqa: E402
+from jopd.parallel import mesh as meshlib  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("rollout", "score", "update")
+MODES = {"before": ["sampling.slots=0", "train.pack=false"], "after": ["train.pack=true"]}
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    run: loop.OPDRun
+    state: object
+    batches: object  # iterator of prompt batches
+
+
+def _mode_overrides(mode: str, slots: int) -> list[str]:
+    return MODES[mode] + ([f"sampling.slots={slots}"] if mode == "after" else [])
+
+
+def testbed(mode: str, slots: int, cache: str | None) -> Workload:
+    over = _mode_overrides(mode, slots) + ([f"train.cache_dir={cache}"] if cache else [])
+    cfg = load_config(str(REPO / "configs/testbed.yaml"), over + ["mesh.data=1"])
+    run, state = loop.build(cfg, log=lambda m: None)
+    return Workload("testbed", run, state, train_iterator(cfg.data, run.tokenizer, kind="prompt"))
+
+
+def smollm2(mode: str, slots: int, cache: str | None) -> Workload:
+    over = _mode_overrides(mode, slots) + ([f"train.cache_dir={cache}"] if cache else [])
+    cfg = load_config(str(REPO / "configs/smollm2_arith.yaml"), over + ["mesh.data=1"])
+    run, state = loop.build(cfg, log=lambda m: None)
+    return Workload("smollm2", run, state, train_iterator(cfg.data, run.tokenizer, kind="prompt"))
+
+
+def skewed(mode: str, slots: int, student_layers: int, batch: int) -> Workload:
+    arch = read_hf_config(REPO / "configs/arch/smollm2-135m-instruct")
+    t_cfg = dataclasses.replace(arch, eos_token_id=None)
+    s_cfg = dataclasses.replace(t_cfg, num_layers=student_layers)
+    V, P, N = t_cfg.vocab_size, 56, 256
+    stop = list(range(V - V // 48, V))  # ~1/48 of a near-uniform distribution: a stop per ~48 tokens
+    cfg = load_config(None, _mode_overrides(mode, slots) + [
+        f"data.batch_size={batch}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
+        "sampling.top_p=0.95", f"sampling.stop_token_ids={stop}", "train.mismatch=estimators", "mesh.data=1",
+        "loss.kind=topk_rkl_tail", "loss.top_k=32", "optim.warmup_steps=0"])
+    step = build_step(cfg, s_cfg, t_cfg, meshlib.make_mesh(cfg.mesh, jax.devices()[:1]))
+    teacher = jax.device_put(transformer.init_params(t_cfg, jax.random.key(1)), step.shardings.teacher)
+    run = loop.OPDRun(cfg, step, teacher, tokenizer=None)
+    state = step.init_state(transformer.init_params(s_cfg, jax.random.key(0)))
+
+    def prompts():
+        rng = np.random.default_rng(0)
+        while True:
+            n = rng.integers(8, P + 1, batch)
+            mask = (np.arange(P)[None] >= (P - n)[:, None]).astype(np.int32)
+            yield {"prompt_tokens": np.where(mask, rng.integers(100, V - V // 48, (batch, P)), 0).astype(np.int32),
+                   "prompt_mask": mask}
+
+    return Workload("skewed", run, state, prompts())
+
+
+def _blocked(fn, *args):
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t
+
+
+def fractions(run, rollout, train_batch) -> dict:
+    lengths = np.asarray(jax.device_get(rollout.sample.lengths_B))
+    prompt_lens = np.asarray(rollout.host_batch["prompt_mask"]).astype(bool).sum(1)
+    B, P, N = len(lengths), rollout.prompt_BxP.shape[1], run.step.sampler.sampling.max_new_tokens
+    real = float(prompt_lens.sum() + lengths.sum())
+    if train_batch.plan is None:
+        fwd_slots, head_slots = B * (P + N), B * N
+    else:
+        fwd_slots = float(np.prod(train_batch.tokens_BxS.shape))
+        head_slots = float(np.prod(train_batch.plan.compact.shape))
+    return {"rollout": rollout.useful_fraction(lengths), "forward": real / fwd_slots,
+            "head": float(lengths.sum()) / head_slots, "response_tokens": int(lengths.sum()),
+            "lengths": lengths.tolist()}
+
+
+def measure(w: Workload, steps: int, warmup: int) -> dict:
+    st, state = w.run.step, w.state
+    times = {k: [] for k in STAGES}
+    fracs = []
+    for i in range(warmup + steps):
+        batch = next(w.batches)
+        with jax.set_mesh(st.mesh):
+            rollout, t_r = _blocked(st.rollout, state, batch, i)
+            tb, t_s = _blocked(st.score, w.run.teacher_params, rollout)
+            (state, _), t_u = _blocked(st.update, state, tb, w.run.teacher_params)
+        if i >= warmup:
+            for k, t in zip(STAGES, (t_r, t_s, t_u)):
+                times[k].append(t)
+            fracs.append(fractions(w.run, rollout, tb))
+    tokens = float(np.mean([f["response_tokens"] for f in fracs]))
+    t0 = time.perf_counter()
+    metrics = None
+    with jax.set_mesh(st.mesh):
+        for i in range(steps):
+            state, metrics, _ = st(state, w.run.teacher_params, next(w.batches), warmup + steps + i)
+    jax.block_until_ready((state, metrics))
+    step_s = (time.perf_counter() - t0) / steps
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"stage_s": med, "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
+            "useful": {k: float(np.mean([f[k] for f in fracs])) for k in ("rollout", "forward", "head")},
+            "step_s": step_s, "step_tokens_per_s": tokens / step_s, "response_tokens_per_step": tokens,
+            "lengths": [f["lengths"] for f in fracs], "slots": st.sampler.engine(st.rollout_rows)[1],
+            "rows": st.rollout_rows}
+
+
+def print_table(results: dict) -> None:
+    head = (f"{'workload':9s} {'mode':7s} {'rows/slots':>10s} {'len mean/max':>12s} {'roll%':>6s} {'fwd%':>6s} "
+            f"{'head%':>6s} {'rollout tok/s':>13s} {'score tok/s':>11s} {'update tok/s':>12s} {'step tok/s':>10s}")
+    print(head)
+    print("-" * len(head))
+    for name, modes in results.items():
+        for mode, r in modes.items():
+            lens = np.concatenate([np.asarray(x) for x in r["lengths"]])
+            u, s = r["useful"], r["stage_tokens_per_s"]
+            print(f"{name:9s} {mode:7s} {r['rows']:>5d}/{r['slots']:<4d} {lens.mean():6.1f}/{lens.max():<5d} "
+                  f"{100 * u['rollout']:6.1f} {100 * u['forward']:6.1f} {100 * u['head']:6.1f} "
+                  f"{s['rollout']:13.1f} {s['score']:11.1f} {s['update']:12.1f} {r['step_tokens_per_s']:10.1f}")
+        if {"before", "after"} <= set(modes):
+            b, a = modes["before"], modes["after"]
+            ratio = {k: a["stage_tokens_per_s"][k] / b["stage_tokens_per_s"][k] for k in STAGES}
+            print(f"{name:9s} {'after/before':>18s} {'':>19s} {'':>20s} {ratio['rollout']:12.2f}x "
+                  f"{ratio['score']:10.2f}x {ratio['update']:11.2f}x {a['step_tokens_per_s'] / b['step_tokens_per_s']:9.2f}x")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(results)
+    width = 0.12
+    for j, (mode, color) in enumerate((("before", "C3"), ("after", "C2"))):
+        for k, stage in enumerate(("rollout", "forward", "head")):
+            vals = [100 * results[n][mode]["useful"][stage] for n in names if mode in results[n]]
+            axes[0].bar(np.arange(len(vals)) + (j * 3 + k - 2.5) * width, vals, width, color=color,
+                        alpha=0.4 + 0.2 * k, label=f"{mode} {stage}")
+    axes[0].set_xticks(range(len(names)), names)
+    axes[0].set_ylabel("useful fraction (%)")
+    axes[0].axhline(90, color="k", lw=0.5, ls="--")
+    axes[0].legend(fontsize=7, ncol=2)
+    speed = [results[n]["after"]["step_tokens_per_s"] / results[n]["before"]["step_tokens_per_s"] for n in names
+             if {"before", "after"} <= set(results[n])]
+    axes[1].bar(range(len(speed)), speed, color="C0")
+    axes[1].axhline(1.0, color="k", lw=0.5)
+    axes[1].set_xticks(range(len(speed)), names[:len(speed)])
+    axes[1].set_ylabel("full-step tokens/s, after / before")
+    fig.suptitle("One OPD step: slots spent on real tokens (jopd benchmarks/step_waste.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="testbed,smollm2,skewed")
+    ap.add_argument("--slots", default="auto", help="decode slots of 'after' (auto: half the rows)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cache", default=None, help="model cache (default: $JOPD_CACHE or ~/.cache/jopd)")
+    ap.add_argument("--skewed-student-layers", type=int, default=12)
+    ap.add_argument("--skewed-batch", type=int, default=16)
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results"))
+    args = ap.parse_args()
+    builders = {"testbed": (lambda mode, s: testbed(mode, s, args.cache), 32),
+                "smollm2": (lambda mode, s: smollm2(mode, s, args.cache), 8),
+                "skewed": (lambda mode, s: skewed(mode, s, args.skewed_student_layers, args.skewed_batch),
+                           args.skewed_batch)}
+    results = {}
+    for name in args.workloads.split(","):
+        build, rows = builders[name]
+        slots = rows // 2 if args.slots == "auto" else int(args.slots)
+        results[name] = {}
+        for mode in ("before", "after"):
+            print(f"[{name} / {mode}] building and measuring ...", file=sys.stderr)
+            results[name][mode] = measure(build(mode, slots), args.steps, args.warmup)
+        print_table({name: results[name]})
+    print()
+    print_table(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "warmup": args.warmup}
+    (out / "step_waste.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, out / "step_waste.png")
+    print(f"wrote {out / 'step_waste.json'} and step_waste.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
