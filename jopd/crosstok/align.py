@@ -153,7 +153,8 @@ def align_response(pair: Pair, messages: Messages, student_ids: Sequence[int]) -
         if not 0 <= i < len(sv):
             return Misaligned(f"student token {pos} is id {i}, outside its tokenizer's {len(sv)} ids")
         if sv.token_bytes[i] is None:
-            what = "EOS before the end" if i == sv.eos_id else f"special token {pair.student_tok.convert_ids_to_tokens(i)!r}"
+            name = pair.student_tok.convert_ids_to_tokens(i)
+            what = "EOS before the end" if i == sv.eos_id else f"special token {name!r}"
             return Misaligned(f"student token {pos} is the {what} (only a final EOS may be special)")
     raw = b"".join(sv.token_bytes[i] for i in text_ids)
     try:

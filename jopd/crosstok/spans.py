@@ -5,7 +5,8 @@ for the end span, both sides' end-of-turn tokens), both starting at a common bou
 log p(span | everything before it) on each side is the sum of that side's per-token log-probs (teacher-forced, of
 the tokens actually in the sequence) over the span's tokens; the signal is
 
-    signal_k = sum_{i in student tokens of span k} log p_s(y_i | y_<i) - sum_{j in teacher tokens of span k} log p_t(z_j | z_<j).
+    signal_k = sum_{i in student tokens of span k} log p_s(y_i | y_<i)
+             - sum_{j in teacher tokens of span k} log p_t(z_j | z_<j).
 
 Both sums are of the two models' own tokenizations of the same text, so the signal is exact for the sampled path
 (the teacher's tokenization being its canonical one, not a marginal over all its tokenizations).
@@ -36,8 +37,10 @@ class SpanIndex:
     student_span_BxNs: Int[np.ndarray, "B Ns"]  # span id of each student response token
     teacher_span_BxNt: Int[np.ndarray, "B Nt"]  # span id of each teacher response token
     span_mask_BxK: Bool[np.ndarray, "B K"]
-    student_start_BxK: Int[np.ndarray, "B K"]  # the span's first student position (its next-token distribution opens it)
-    teacher_start_BxK: Int[np.ndarray, "B K"]  # likewise on the teacher's side
+    # the response position of the span's first token: the next-token distribution that predicts it (row b's
+    # logits for response token i) is where `project.project_teacher` compares the two sides
+    student_start_BxK: Int[np.ndarray, "B K"]
+    teacher_start_BxK: Int[np.ndarray, "B K"]
     end_span_BxK: Bool[np.ndarray, "B K"]  # the end-of-turn span
     teacher_ids_BxNt: Int[np.ndarray, "B Nt"]  # the teacher's response ids, right-padded with pad_id
     teacher_mask_BxNt: Bool[np.ndarray, "B Nt"]

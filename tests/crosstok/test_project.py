@@ -73,7 +73,8 @@ def test_character_student_gets_the_teachers_next_character_distribution(toy, sm
         elif s in toy.all_special_ids:
             want = np.zeros(2)
         else:
-            want = p[:, [i for i, d in enumerate(decoded) if d.startswith(c) and i not in smollm2.all_special_ids]].sum(-1)
+            starts = [i for i, d in enumerate(decoded) if d.startswith(c) and i not in smollm2.all_special_ids]
+            want = p[:, starts].sum(-1)
         np.testing.assert_allclose(part[:, s], want, **TOL)
         np.testing.assert_allclose(prefix[:, s], want, **TOL)  # single characters: prefix-free
     np.testing.assert_allclose(part.sum(-1) + tail, 1.0, rtol=1e-5)
