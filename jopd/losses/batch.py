@@ -36,6 +36,13 @@ class LossBatch:
     sampler_full_logprobs_BxTxV: Float[Array, "B T V"] | None = None  # the sampler's log-softmax (exact mismatch)
     advantages_BxT: Float[Array, "B T"] | None = None  # per-token advantages (RL kinds)
     reference_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_ref(target), frozen reference (KL term)
+    # A teacher with another tokenizer (`opd.cross_teacher`): aligned spans, K = T slots (a span holds >= 1
+    # student token). span_id: each position's span (T: none); span_mask: span k exists; span_teacher_logprobs:
+    # log p_teacher(span k); dense_mask: the positions where a span starts (the dense projection's).
+    span_id_BxT: Int[Array, "B T"] | None = None
+    span_mask_BxT: Bool[Array, "B T"] | None = None
+    span_teacher_logprobs_BxT: Float[Array, "B T"] | None = None
+    dense_mask_BxT: Bool[Array, "B T"] | None = None
     token_normalizer: Float[Array, ""] | None = None  # replaces the count of loss tokens as the denominator
     compact: CompactLayout | None = None  # packed: where the chunk fields' compact positions come from
 

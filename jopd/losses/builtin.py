@@ -45,7 +45,7 @@ def _full(divergence):
     in this chunk only (scaled by the same temperature)."""
     def per_position(cfg, logits, inp):
         head = jax.lax.stop_gradient(inp["teacher_head"])
-        teacher = logits_from_hidden(head, inp["teacher_hidden_BxTxD"]) / cfg.temperature  # fp32
+        teacher = logits_from_hidden(head, inp["teacher_hidden_BxTxD"]) / cfg.temperature  # fp32, as scoring did
         return {"divergence": divergence(cfg, logits, teacher)}
     return per_position
 

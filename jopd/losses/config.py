@@ -52,6 +52,11 @@ class LossConfig:
     is_cap: Annotated[float, _Pos] = 2.0
     icepop_low: Annotated[float, pydantic.Field(ge=0.0)] = 0.5
     icepop_high: Annotated[float, _Pos] = 5.0
+    # A teacher with another tokenizer (`opd.cross_teacher`): off (the two must share the vocabulary); sampled:
+    # the exact per-span sampled-token objective (`xtok_sampled`, in place of sampled_opd); dense: the truncated
+    # reverse KL with a tail at the span starts against the teacher's distribution projected onto the student's
+    # top-K (`xtok_dense`, in place of topk_rkl_tail).
+    cross_tokenizer: Literal["off", "sampled", "dense"] = "off"
     # Positions whose TARGET token is one of these ids are masked out, wherever they occur.
     special_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
     # Masked at their first occurrence in each response only (chat-template tokens where the template writes them).

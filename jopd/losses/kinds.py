@@ -69,6 +69,7 @@ class Objective:
     baselines: tuple[str, ...] = ("batch_mean",)
     reads_reference: bool = False
     reads_teacher_head: bool = False  # per chunk, `inputs["teacher_head"]`: the teacher's LM head (no gradient)
+    student_support: bool = False  # the sampler hands over the student's top-K ids per step (its support)
 
     @property
     def fields(self) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jopd.losses import builtin  # noqa: F401  (registers the built-in kinds)
+from jopd.losses import builtin, cross_kinds  # noqa: F401  (register the built-in kinds)
 from jopd.losses import divergences as div
 from jopd.losses.batch import LossBatch
 from jopd.losses.chunked import chunked_logits_map

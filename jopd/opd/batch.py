@@ -29,6 +29,7 @@ class RolloutArrays:
     advantages_B: Array | None = None  # RL kinds: the per-sequence advantage from the rewards
     rewards_B: Array | None = None  # RL kinds: each response's reward (logged; scoring does not read it)
     plan: Any = None  # `opd.packing.PackPlan` (train.pack): score and update the packed sequences
+    cross: Any = None  # `opd.cross_teacher.CrossBatch`: the teacher's own sequences and the aligned spans
 
 
 class SequenceLayout(NamedTuple):

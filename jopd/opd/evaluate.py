@@ -1,6 +1,11 @@
 """Held-out evaluation: the student answers each held-out problem under a fixed seed; per problem we report
 the teacher divergence (mean per-token full-vocabulary KL(student ‖ teacher) over that response) and whether
 the final answer is right. One number per problem, so two runs can be compared pairwise (`jopd compare`, the quality rule).
+
+A teacher with another tokenizer (`cross`): the divergence is tokenizer-free, the sampled reverse KL of the text
+per character, (log p_student(response) - log p_teacher(response)) / (characters + 1 for the end of the turn),
+both sides scoring their own tokenization of the same text; a response the pair cannot align is counted
+(`misaligned` in the summary) and left out of the divergence's mean, never scored as 0.
 """
 
 from __future__ import annotations
@@ -35,8 +40,13 @@ class EvalResult:
     responses: list[str]
 
     def summary(self) -> dict[str, float]:
-        return {"teacher_divergence": float(self.teacher_divergence.mean()), "accuracy": float(self.correct.mean()),
-                "response_len": float(self.response_len.mean()), "num_problems": int(len(self.index))}
+        scored = np.isfinite(self.teacher_divergence)  # a cross-tokenizer response that did not align: NaN
+        out = {"teacher_divergence": float(self.teacher_divergence[scored].mean()) if scored.any() else float("nan"),
+               "accuracy": float(self.correct.mean()), "response_len": float(self.response_len.mean()),
+               "num_problems": int(len(self.index))}
+        if not scored.all():
+            out["misaligned"] = int((~scored).sum())
+        return out
 
     def save(self, out_dir: str | Path, name: str) -> dict[str, float]:
         out = Path(out_dir)
@@ -80,9 +90,34 @@ def teacher_divergence_BxN(student_params, teacher_params, tokens_BxT, attn_mask
     return _chunked_pair_kl(hs, ht, head_params(student_params), head_params(teacher_params), chunk, temperature)
 
 
+@functools.partial(jax.jit, static_argnames=("t_cfg", "temperature"))
+def _teacher_text_logprobs(teacher_params, cross, *, t_cfg: ModelConfig, temperature: float):
+    """log p_teacher of each row's aligned response (text + end of turn), its own tokenization."""
+    from jopd.opd.cross_teacher import cross_teacher_fields
+
+    out = cross_teacher_fields(teacher_params, cross, None, teacher_cfg=t_cfg, table=None, mode="sampled",
+                               temperature=temperature, chunk=64)
+    return jnp.sum(out["span_teacher_logprobs_BxT"], axis=1)
+
+
+def cross_divergence_B(cross_teacher, teacher_params, t_cfg: ModelConfig, batch, out, temperature: float):
+    """Per row: (log p_s(response) - log p_t(response)) / (characters + end of turn); NaN if not aligned."""
+    from jopd.opd.cross_teacher import CrossBatch
+
+    P, N = batch["prompt_tokens"].shape[1], out.tokens_BxN.shape[1]
+    arrays, reasons = cross_teacher.align(batch["question"], out.tokens_BxN, out.lengths_B, P, N + 4)
+    t_lp = np.asarray(_teacher_text_logprobs(teacher_params, CrossBatch(**arrays), t_cfg=t_cfg,
+                                             temperature=temperature))
+    s_lp = np.sum(out.unprocessed_logprobs_BxN * out.response_mask_BxN, axis=1)
+    chars = np.asarray([len(cross_teacher.pair.student_tok.decode(t[:n], skip_special_tokens=True)) + int(d)
+                        for t, n, d in zip(out.tokens_BxN, out.lengths_B, out.done_B)], np.float64)
+    div = (s_lp - t_lp) / np.maximum(chars, 1.0)
+    return np.where([r is None for r in reasons], div, np.nan)
+
+
 def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cfg: ModelConfig, tokenizer,
                      data_cfg: DataConfig, sampling: SamplingConfig, seed: int, max_problems: int,
-                     desc: str = "eval") -> EvalResult:
+                     desc: str = "eval", cross=None) -> EvalResult:
     """Sample one response per held-out problem (randomness keyed by the problem id), then score it."""
     sampler = Sampler(s_cfg, dataclasses.replace(sampling, return_full_logprobs=False))
     is_correct = TASKS[data_cfg.task].is_correct
@@ -99,9 +134,12 @@ def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cf
         tokens = np.concatenate([batch["prompt_tokens"], out.tokens_BxN], axis=1)
         resp_mask = out.response_mask_BxN
         attn = np.concatenate([batch["prompt_mask"].astype(bool), resp_mask], axis=1)
-        kl = np.asarray(teacher_divergence_BxN(student_params, teacher_params, tokens, attn, s_cfg=s_cfg,
-                                               t_cfg=t_cfg, n_response=N, temperature=sampling.temperature))
-        per_problem = (kl * resp_mask).sum(1) / np.maximum(resp_mask.sum(1), 1)
+        if cross is None:
+            kl = np.asarray(teacher_divergence_BxN(student_params, teacher_params, tokens, attn, s_cfg=s_cfg,
+                                                   t_cfg=t_cfg, n_response=N, temperature=sampling.temperature))
+            per_problem = (kl * resp_mask).sum(1) / np.maximum(resp_mask.sum(1), 1)
+        else:
+            per_problem = cross_divergence_B(cross, teacher_params, t_cfg, batch, out, sampling.temperature)
         for b in np.nonzero(keep)[0]:
             text = tokenizer.decode(out.tokens_BxN[b, :out.lengths_B[b]], skip_special_tokens=True)
             idx.append(int(batch["index"][b]))

@@ -25,7 +25,8 @@ from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
 from jopd.opd.evaluate import compare_table, evaluate_heldout
 from jopd.opd.guards import RunGuard, loggable
 from jopd.opd.metrics_log import MetricsWriter, plot_curves
-from jopd.opd.model_sources import check_compatible, get_model, precheck_sources, run_tokenizer
+from jopd.opd.cross_teacher import CrossTeacher, misaligned_summary
+from jopd.opd.model_sources import check_compatible, get_model, precheck_sources, run_tokenizer, teacher_tokenizer
 from jopd.opd.run_config import RunConfig, to_yaml
 from jopd.opd.step import OPDStep, build_step
 from jopd.opd.train_state import TrainState
@@ -56,11 +57,16 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     if OBJECTIVES[cfg.loss.kind].needs_teacher_topk and cfg.loss.top_k > len(tokenizer):
         raise ValueError(f"RunConfig.loss.top_k={cfg.loss.top_k}: larger than the vocabulary ({len(tokenizer)} "
                          f"tokens)")
-    teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, tokenizer)
+    t_tok = teacher_tokenizer(cfg)  # the student's, unless loss.cross_tokenizer
+    teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, t_tok)
     student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
-    check_compatible(student_cfg, teacher_cfg, None, None)
+    cross = None
+    if cfg.loss.cross_tokenizer == "off":
+        check_compatible(student_cfg, teacher_cfg, None, None)
+    else:
+        cross = CrossTeacher.make(tokenizer, t_tok, student_cfg, teacher_cfg, cfg.data.system_prompt)
     log(f"teacher: {t_from}  student: {s_from}")
-    step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer)
+    step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer, cross)
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
     # the starting student as loaded, also on resume (the restored state replaces only the trained copy)
     reference = step.place_reference(student_params) if step.uses_reference else None
@@ -76,7 +82,8 @@ def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
     teacher = jax.device_get(run.teacher_params) if jax.process_count() == 1 else run.teacher_params
     res = evaluate_heldout(params, teacher, s_cfg=run.step.student_cfg, t_cfg=run.step.teacher_cfg,
                            tokenizer=run.tokenizer, data_cfg=cfg.data, sampling=eval_sampling,
-                           seed=cfg.train.eval_seed, max_problems=cfg.train.eval_problems, desc=f"eval {name}")
+                           seed=cfg.train.eval_seed, max_problems=cfg.train.eval_problems, desc=f"eval {name}",
+                           cross=run.step.cross)
     return res.save(out_dir / "eval", name)
 
 
@@ -149,6 +156,12 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
         m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
               "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
         m["rollout_useful_frac"] = rollout.useful_fraction(lengths)  # of the sampler's slot-steps
+        if rollout.cross_reasons:  # a teacher with another tokenizer: rollouts it could not align are counted
+            failed = [r for r in rollout.cross_reasons if r is not None]
+            m["xtok_misaligned_frac"] = len(failed) / len(rollout.cross_reasons)
+            if failed and is_main and step % 25 == 1:
+                log(f"step {step}: {len(failed)} of {len(rollout.cross_reasons)} rollouts not aligned with the "
+                    f"teacher's tokenization ({misaligned_summary(rollout.cross_reasons)})")
         m |= run_guard.rollout_metrics(tokens, lengths, m.get("num_tokens", 0.0))
         warning, reason = run_guard.check(step, m)  # response_at_cap: also `compare --rl`'s collapse signal
         if warning and is_main:

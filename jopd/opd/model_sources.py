@@ -16,12 +16,29 @@ from jopd.opd import warm_start
 from jopd.opd.run_config import ModelSource, RunConfig
 
 
+def _own_tokenizer(src: ModelSource):
+    """A model's tokenizer: its `tokenizer` setting, else its checkpoint's, else None (a testbed model)."""
+    if src.tokenizer is not None:
+        return io.load_tokenizer(src.tokenizer)
+    return io.load_tokenizer(src.path) if src.path is not None else None
+
+
 def run_tokenizer(cfg: RunConfig):
-    """The tokenizer both models share: the teacher's checkpoint's, else the student's, else the toy one."""
-    for src in (cfg.teacher, cfg.student):
-        if src.path is not None:
-            return io.load_tokenizer(src.path)
+    """The student's tokenizer, which formats the prompts and decodes the rollouts. Without loss.cross_tokenizer
+    both models share it: the teacher's, else the student's, else the toy one."""
+    sources = (cfg.student,) if cfg.loss.cross_tokenizer != "off" else (cfg.teacher, cfg.student)
+    for src in sources:
+        tok = _own_tokenizer(src)
+        if tok is not None:
+            return tok
     return build_toy_tokenizer()
+
+
+def teacher_tokenizer(cfg: RunConfig):
+    """The teacher's tokenizer (the run's with loss.cross_tokenizer off)."""
+    if cfg.loss.cross_tokenizer == "off":
+        return run_tokenizer(cfg)
+    return _own_tokenizer(cfg.teacher) or build_toy_tokenizer()
 
 
 def testbed_model_config(src: ModelSource, tokenizer) -> ModelConfig:
@@ -61,17 +78,24 @@ def precheck_sources(cfg: RunConfig) -> None:
         elif src.num_layers is not None:
             raise ValueError(f"RunConfig.{role}.num_layers: only applies to a checkpoint `path` (the testbed "
                              f"recipe sets its size in `arch`)")
-    if len(cfgs) == 2:
+    if cfg.loss.cross_tokenizer != "off":  # another tokenizer: the pair must align (one line if not)
+        from jopd import crosstok
+
+        try:
+            crosstok.check_pair(run_tokenizer(cfg), teacher_tokenizer(cfg))
+        except crosstok.PairError as e:
+            raise ValueError(f"RunConfig.loss.cross_tokenizer: {e}") from None
+    elif len(cfgs) == 2:
         check_compatible(cfgs["student"], cfgs["teacher"], None, None)
-        check_compatible(cfgs["student"], cfgs["teacher"], io.load_tokenizer(cfg.student.path),
-                         io.load_tokenizer(cfg.teacher.path))
+        check_compatible(cfgs["student"], cfgs["teacher"], run_tokenizer(cfg), teacher_tokenizer(cfg))
 
 
 def check_compatible(student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_tok, teacher_tok) -> None:
     """Distillation compares distributions token by token: the two models must share the vocabulary."""
     if student_cfg.vocab_size != teacher_cfg.vocab_size:
         raise ValueError(f"teacher/student vocab mismatch: teacher vocab_size={teacher_cfg.vocab_size}, "
-                         f"student vocab_size={student_cfg.vocab_size}")
+                         f"student vocab_size={student_cfg.vocab_size} (a teacher with another tokenizer: set "
+                         f"loss.cross_tokenizer)")
     if student_tok is not None and teacher_tok is not None:
         if student_tok.get_vocab() != teacher_tok.get_vocab():
             raise ValueError("teacher/student tokenizer mismatch: same size but different token ids")

@@ -45,14 +45,18 @@ def _round_up(n: int, k: int) -> int:
 
 
 def plan_packing(prompt_lens_B: np.ndarray, response_lens_B: np.ndarray, prompt_width: int, n_response: int, *,
-                 shards: int = 1, granularity: int | None = None, compact_width: int | None = None) -> PackPlan:
-    """First-fit decreasing of each shard's sequences (prompt + response) into rows of P + N columns, and the
+                 shards: int = 1, granularity: int | None = None, compact_width: int | None = None,
+                 width: int | None = None) -> PackPlan:
+    """First-fit decreasing of each shard's sequences (prompt + response) into rows of `width` columns (default and
+    minimum P + N: any sequence fits; wider rows hold more short sequences, at a quadratic attention cost), and the
     compact layout of their response tokens (rows of `compact_width`, default min(N, 32): little rounding waste;
     the loss sizes its chunks to the compact rows, `compact_chunk`). `granularity`: the packed row count per
     shard is a multiple of it (default: an eighth of the shard's rows), the compact one of a sixteenth of its
     most (all rows at N tokens): few shapes compile."""
     P, N = prompt_width, n_response
-    C, Cq = P + N, compact_width or min(N, 32)
+    C, Cq = width or P + N, compact_width or min(N, 32)
+    if C < P + N:
+        raise ValueError(f"packing: rows of {C} columns cannot hold a prompt + response of up to {P + N}")
     p_all, l_all = np.asarray(prompt_lens_B, np.int64), np.asarray(response_lens_B, np.int64)
     B = len(p_all)
     if B % shards:
@@ -75,7 +79,7 @@ def plan_packing(prompt_lens_B: np.ndarray, response_lens_B: np.ndarray, prompt_
             where[i] = (b, bins[b])
             bins[b] += n[i]
         per_shard.append((p, l, where, len(bins), int(l.sum())))
-    Bp = min(_round_up(max(x[3] for x in per_shard), g), rows)
+    Bp = min(_round_up(max(x[3] for x in per_shard), g), rows)  # never more rows than the padded batch
     most = -(-rows * N // Cq)
     Q = min(_round_up(max(1, -(-max(x[4] for x in per_shard) // Cq)), granularity or max(1, most // 16)), most)
 

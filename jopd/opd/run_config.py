@@ -66,6 +66,10 @@ class ModelSource:
     arch: ArchConfig = ArchConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer
+    # The model's tokenizer when it is not the checkpoint's own (an HF directory or .gguf); None: the
+    # checkpoint's, or the toy tokenizer for a testbed model. A teacher's may differ from the student's with
+    # loss.cross_tokenizer.
+    tokenizer: str | None = None
 
     def resolved_warm_start(self) -> WarmStartConfig:
         """`warm_start` with its `steps` default filled in for this kind of source."""
@@ -109,6 +113,9 @@ class TrainConfig:
     # attending to itself, and the LM head and the loss on real response tokens only; the loss and its gradient
     # equal the padded computation's (tested). Not with optim.grad_accum_steps > 1.
     pack: bool = False
+    # Columns of a packed row (None: max_prompt_len + max_new_tokens, the padded row; wider rows pack more short
+    # sequences each, at a quadratic attention cost per row)
+    pack_width: int | None = pydantic.Field(None, ge=1)
     guard: GuardConfig = GuardConfig()  # what stops a run that goes non-finite or degenerates (`opd.guards`)
 
 

@@ -49,6 +49,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd import packing, rewards
+from jopd.opd.cross_teacher import CrossBatch, CrossTeacher
 from jopd.opd.batch import RolloutArrays, TrainBatch
 from jopd.opd.optim import make_optimizer
 from jopd.opd.rewards import RLTrainState
@@ -93,6 +94,7 @@ class Rollout:
     reward_ema: np.float32 | None = None  # running_mean baseline: the EMA after this step's rewards
     decode_iterations: jax.Array | None = None  # the sampler's decode forward passes (`SampleOutput`)
     slots: int = 0  # the sampler's decode slots (rows, for the static engine)
+    cross_reasons: tuple[str | None, ...] = ()  # cross-tokenizer: why each local row failed alignment (None: ok)
 
     @property
     def sample(self) -> SampleOutput:
@@ -137,8 +139,27 @@ def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
         if unknown:
             raise ValueError(f"RunConfig.train.template_tokens: {unknown} not in the tokenizer's vocabulary")
         template = tuple(sorted({vocab[t] for t in cfg.train.template_tokens} - {tokenizer.eos_token_id}))
-    return dataclasses.replace(cfg.loss, special_token_ids=special, template_token_ids=template,
+    loss = dataclasses.replace(cfg.loss, special_token_ids=special, template_token_ids=template,
                                temperature=cfg.sampling.temperature)
+    return cross_tokenizer_loss(loss)
+
+
+# loss.cross_tokenizer -> (the kind that runs, the kinds a user may have set for it)
+_CROSS_KINDS = {"sampled": ("xtok_sampled", ("sampled_opd", "xtok_sampled", LossConfig().kind)),
+                "dense": ("xtok_dense", ("topk_rkl_tail", "xtok_dense"))}
+
+
+def cross_tokenizer_loss(loss: LossConfig) -> LossConfig:
+    """With `loss.cross_tokenizer`, its kind: sampled -> xtok_sampled (sampled_opd across tokenizers), dense ->
+    xtok_dense (topk_rkl_tail on the projected support: the student's top-K ids, K of them). `loss.kind` may be
+    left at its default or name the kind's same-tokenizer form; another kind is an error."""
+    if loss.cross_tokenizer == "off":
+        return loss
+    kind, allowed = _CROSS_KINDS[loss.cross_tokenizer]
+    if loss.kind not in allowed:
+        raise ValueError(f"RunConfig.loss.cross_tokenizer={loss.cross_tokenizer}: runs {kind} (the cross-tokenizer "
+                         f"form of {allowed[0]}); got loss.kind={loss.kind}")
+    return dataclasses.replace(loss, kind=kind, support="teacher_topk", support_sampled=False)
 
 
 # Metrics that describe the rollout against the trainer's params at the weight sync: with several inner
@@ -178,12 +199,20 @@ class OPDStep:
     update_fn: Any
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
     repeat_fn: Any  # jit: (prompt_UxP, mask_UxP) -> each prompt G times, rows r*G .. r*G+G-1 (the scored layout)
+    cross: CrossTeacher | None = None  # a teacher with another tokenizer: the rollout is aligned to it on the host
 
     # -- sizes ------------------------------------------------------------------------------------------
 
     @property
     def rollouts_per_prompt(self) -> int:
         return rollouts_per_prompt(self.cfg)
+
+    @property
+    def prefill_group(self) -> int:
+        """Samples per prefilled prompt: G when the prompts split evenly over the batch shards (each shard then
+        holds whole groups), else 1 (each row prefills its own copy: 4 prompts x 16 samples on 8 shards)."""
+        G = self.rollouts_per_prompt
+        return G if self.cfg.data.batch_size % self.sampler.shards == 0 else 1
 
     @property
     def rollout_rows(self) -> int:
@@ -231,7 +260,7 @@ class OPDStep:
     def rollout(self, state: TrainState, batch: dict[str, np.ndarray], step: int) -> Rollout:
         """Weight sync, then the sampler on this process's rows of the prompt batch (Grain's dict): G =
         `rollouts_per_prompt` samples of each prompt (rows r*G .. r*G+G-1), its prefill shared."""
-        G = self.rollouts_per_prompt
+        G, shared = self.rollouts_per_prompt, self.prefill_group
         local_prompts = batch["prompt_tokens"].shape[0]
         batch = rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
         local_rows = local_prompts * G
@@ -239,16 +268,23 @@ class OPDStep:
         first = step * local_rows * jax.process_count() + jax.process_index() * local_rows
         rand = row_randomness(rollout_seed(self.cfg.train.seed), first + np.arange(local_rows),
                               self.sampler.sampling.max_new_tokens)
-        prompts = (batch["prompt_tokens"][::G], batch["prompt_mask"][::G].astype(bool))
+        every = shared  # one prefilled prompt per `shared` consecutive rows
+        prompts = (batch["prompt_tokens"][::every], batch["prompt_mask"][::every].astype(bool))
         prompt_UxP, mask_UxP, u, k = host_local_to_global(prompts + tuple(rand), self.shardings.batch)
-        sample = self.sampler.sample_padded(sampler_params, prompt_UxP, mask_UxP, RowRandomness(u, k), group=G)
+        sample = self.sampler.sample_padded(sampler_params, prompt_UxP, mask_UxP, RowRandomness(u, k),
+                                            group=shared)
         iterations, sample = sample.decode_iterations, sample._replace(decode_iterations=None)
-        prompt, mask = (prompt_UxP, mask_UxP) if G == 1 else self.repeat_fn(prompt_UxP, mask_UxP)
+        prompt, mask = (prompt_UxP, mask_UxP) if shared == 1 else self.repeat_fn(prompt_UxP, mask_UxP)
         arrays, ema = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=mask, sample=sample), None
         if self.objective.uses_rewards:
             r, adv, ema = self._rewards(sample, batch, state)
             arrays = arrays.replace(rewards_B=r, advantages_B=adv)
-        return Rollout(arrays, batch, ema, iterations, self.sampler.engine(local_rows * jax.process_count(), G)[1])
+        reasons = ()
+        if self.cross is not None:  # the teacher's own tokenization of each response, aligned on the host
+            cross, reasons = self._align(sample, batch)
+            arrays = arrays.replace(cross=cross)
+        return Rollout(arrays, batch, ema, iterations, self.sampler.engine(local_rows * jax.process_count(), shared)[1],
+                       tuple(reasons))
 
     def pack_plan(self, rollout: Rollout):
         """The packing of this rollout's sequences (`train.pack`), from their real lengths (read to the host:
@@ -257,7 +293,8 @@ class OPDStep:
         prompt_lens = np.asarray(rollout.host_batch["prompt_mask"]).astype(bool).sum(axis=1)
         shards = max(1, self.sampler.shards // jax.process_count())
         plan = packing.plan_packing(prompt_lens, lengths, rollout.prompt_BxP.shape[1],
-                                    self.sampler.sampling.max_new_tokens, shards=shards)
+                                    self.sampler.sampling.max_new_tokens, shards=shards,
+                                    width=self.cfg.train.pack_width)
         plan = host_local_to_global(plan, self.shardings.batch)
         return plan.replace(compact=plan.compact.replace(shards=self.sampler.shards))  # the global shard count
 
@@ -313,6 +350,14 @@ class OPDStep:
         from jax.experimental import multihost_utils
         return multihost_utils.global_array_to_host_local_array(tree, self.mesh, self.shardings.batch.spec)
 
+    def _align(self, sample: SampleOutput, batch: dict[str, np.ndarray]):
+        """This process's responses aligned with the teacher's tokenization -> a global `CrossBatch`, and each
+        local row's failure reason (None: aligned)."""
+        tokens, lengths = (np.asarray(x) for x in self.local_rows((sample.tokens_BxN, sample.lengths_B)))
+        P, N = batch["prompt_tokens"].shape[1], tokens.shape[1]
+        arrays, reasons = self.cross.align(batch["question"], tokens, lengths, P, N + 4)
+        return CrossBatch(**host_local_to_global(arrays, self.shardings.batch)), reasons
+
     def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray], state: TrainState):
         """The task's rewards of this process's responses -> the kind's per-sequence advantages: (rewards,
         advantages) as global arrays and, for the running-mean baseline, the EMA after this step (from the
@@ -356,8 +401,9 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
                        rng=replicated)
     if running_baseline:
         state = RLTrainState(**vars(state), reward_ema=replicated)
-    # A clear error at build time: the prompts and their G samples each are split over the batch shards.
-    meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size,), where="data.batch_size")
+    # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
+    meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size * rollouts_per_prompt(cfg),),
+                           where="data.batch_size")
     return StepShardings(
         student=student, teacher=meshlib.param_shardings(t_cfg, mesh, train_rules), sampler_params=sampler_params,
         state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
@@ -370,12 +416,20 @@ def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Arr
     return RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32)) if running_baseline else state
 
 
-def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tokenizer=None) -> OPDStep:
+def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tokenizer=None,
+               cross: CrossTeacher | None = None) -> OPDStep:
     """The step of `cfg`: its loss config is `cfg.loss` resolved against the run (`resolve_loss_config`: masks
     from `tokenizer`, the sampler's temperature) — one config path, so a caller that wants another loss passes
-    another `cfg`. `tokenizer` also decodes responses for the RL kinds' rewards (None: no masks, no rewards)."""
+    another `cfg`. `tokenizer` (the student's) also decodes responses for the RL kinds' rewards (None: no
+    masks, no rewards). `cross`: a teacher with another tokenizer (`loss.cross_tokenizer`; `cross_teacher`)."""
     loss_cfg = resolve_loss_config(cfg, tokenizer)
     objective = OBJECTIVES[loss_cfg.kind]
+    if (cross is None) != (loss_cfg.cross_tokenizer == "off"):
+        raise ValueError(f"RunConfig.loss.cross_tokenizer={loss_cfg.cross_tokenizer}: "
+                         + ("needs the teacher's tokenizer (build_step's `cross`)" if cross is None else
+                            "is off, but the step was given a cross-tokenizer teacher"))
+    if cross is not None and cfg.train.pack:
+        raise ValueError("RunConfig.train.pack: not with loss.cross_tokenizer (the teacher scores its own sequences)")
     if cfg.train.pack and cfg.optim.grad_accum_steps > 1:
         raise ValueError(f"RunConfig.train.pack: not with optim.grad_accum_steps={cfg.optim.grad_accum_steps} (a "
                          f"packed row holds several rollouts; micro-batches would split its packing)")
@@ -387,7 +441,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
     batch = sh.batch
 
     # the union support takes the student's top-K ids from the sampler, where its logits already exist
-    union = loss_cfg.support == "union"
+    union = loss_cfg.support == "union" or objective.student_support
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
                                    return_topk=loss_cfg.top_k if union else 0)
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
@@ -397,7 +451,8 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
     dtype = DTYPES[cfg.student.dtype]
     score = functools.partial(score_rollout, teacher_cfg=t_cfg, student_cfg=s_cfg, loss_cfg=loss_cfg,
-                              is_logprobs=cfg.train.is_logprobs, dtype=dtype)
+                              is_logprobs=cfg.train.is_logprobs, dtype=dtype,
+                              cross_table=None if cross is None else cross.table)
     # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
@@ -413,4 +468,4 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
     return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfg=t_cfg, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
                    optimizer=optimizer, shardings=sh, sampler=sampler, tokenizer=tokenizer, sync_fn=sync_fn,
-                   score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn)
+                   score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn, cross=cross)

@@ -20,6 +20,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.opd.batch import RolloutArrays, SequenceLayout, TrainBatch, sequence_layout
+from jopd.opd.cross_teacher import cross_teacher_fields
 from jopd.opd.packing import PackPlan, compact_hidden, pack_tokens, packed_hidden
 
 
@@ -157,14 +158,20 @@ def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: M
 
 
 def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None, *, teacher_cfg: ModelConfig,
-                  student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str, dtype) -> TrainBatch:
+                  student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str, dtype,
+                  cross_table=None) -> TrainBatch:
     """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
     the response-aligned loss fields: the teacher's, the sampler's log-probs, advantages, the reference's).
     With `rollout.plan` (`train.pack`), the sequences are packed: the student's input is the packed rows."""
     sample, plan = rollout.sample, rollout.plan
     layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
-    teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
-                             student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)
+    if rollout.cross is None:
+        teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
+                                 student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)
+    else:  # a teacher with another tokenizer scores its own sequences; its fields come aligned to the student's
+        teacher = cross_teacher_fields(teacher_params, rollout.cross, sample.topk_ids_BxNxK, teacher_cfg=teacher_cfg,
+                                       table=cross_table, mode=loss_cfg.cross_tokenizer,
+                                       temperature=loss_cfg.temperature, chunk=loss_cfg.chunk_size)
     # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
     # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
     # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)

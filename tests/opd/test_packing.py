@@ -55,6 +55,11 @@ def test_the_plan_places_every_real_token_once_and_inverts():
         back = np.asarray(from_compact(to_compact(x, compact), compact, fill=-1))
         np.testing.assert_array_equal(back, np.where(np.arange(N)[None] < lengths[:, None], x, -1))
     assert plan_packing(prompt_lens, lengths, P, N).src_row_BpxC.shape[0] < 32  # it packs: fewer rows
+    wide = plan_packing(prompt_lens, lengths, P, N, width=3 * (P + N))  # wider rows: fewer, fuller
+    assert wide.segment_BpxC.shape[1] == 3 * (P + N)
+    assert (wide.segment_BpxC > 0).mean() > (plan.segment_BpxC > 0).mean()
+    with pytest.raises(ValueError, match=r"rows of 20 columns cannot hold a prompt \+ response of up to 28"):
+        plan_packing(prompt_lens, lengths, P, N, width=20)
 
 
 def _rollout(seed=0):
@@ -93,7 +98,7 @@ def _loss_and_grad(step, arrays, host, teacher, student, reference=None):
 
 
 KINDS = {
-    "topk_rkl_tail": ["loss.kind=topk_rkl_tail"],
+    "topk_rkl_tail, wide rows": ["loss.kind=topk_rkl_tail", f"train.pack_width={3 * (P + N)}"],
     "topk_rkl union+sampled, tis": ["loss.kind=topk_rkl", "loss.support_sampled=true", "loss.is_mode=tis"],
     "topk_rkl teacher_topk": ["loss.kind=topk_rkl", "loss.support=teacher_topk"],
     "sampled_opd gamma": ["loss.kind=sampled_opd", "loss.gamma=0.9"],

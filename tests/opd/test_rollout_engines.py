@@ -20,11 +20,11 @@ BASE = ([f"{role}.arch.{a}" for role in ("student", "teacher") for a in _ARCH]
            "data.arithmetic.max_steps=1", "train.mismatch=exact", "mesh.data=1", "loss.top_k=8"])
 
 
-def _rollout(*overrides):
+def _rollout(*overrides, devices=1):
     tok = build_toy_tokenizer()
     cfg = load_config(None, BASE + list(overrides))
     s_cfg, t_cfg = (model_sources.testbed_model_config(src, tok) for src in (cfg.student, cfg.teacher))
-    step = build_step(cfg, s_cfg, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:1]), tok)
+    step = build_step(cfg, s_cfg, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:devices]), tok)
     student = numpy_params(s_cfg, 0, layer_scale=5.0, head_scale=4.0)
     batch = next(train_iterator(cfg.data, tok, kind="prompt"))
     with jax.set_mesh(step.mesh):
@@ -57,6 +57,16 @@ def test_samples_per_prompt_and_slots_change_the_schedule_not_the_samples():
     assert iterations == slot_iterations(lengths, 4)  # the schedule the slot engine promises: no idle slot mid-run
     assert slots.useful_fraction(lengths) == pytest.approx(lengths.sum() / (12 + 4 * iterations))
     assert slots.useful_fraction(lengths) >= static.useful_fraction(lengths)
+
+
+def test_fewer_prompts_than_shards_prefill_each_row_and_sample_the_same():
+    # 4 prompts x 2 samples on 8 batch shards: a shard cannot hold a whole group, so each row prefills its copy
+    one_shard, _, shared, _ = _rollout("sampling.samples_per_prompt=2")
+    eight, _, rows, _ = _rollout("sampling.samples_per_prompt=2", "mesh.data=8", devices=8)
+    assert one_shard.prefill_group == 2 and eight.prefill_group == 1 and eight.rollout_rows == 8
+    for name in ("tokens_BxN", "lengths_B"):
+        np.testing.assert_array_equal(np.asarray(getattr(rows.sample, name)), np.asarray(getattr(shared.sample, name)))
+    np.testing.assert_array_equal(np.asarray(rows.prompt_BxP), np.asarray(shared.prompt_BxP))
 
 
 def test_samples_per_prompt_must_agree_with_grpo_groups():

@@ -1,0 +1,74 @@
+"""The loss kinds of a teacher with another tokenizer (`loss.cross_tokenizer`; `opd.cross_teacher` fills their
+fields): the student's response and the teacher's tokenization of the same text, cut into aligned spans.
+
+- `xtok_sampled` (exact): the cross-tokenizer form of `sampled_opd`. Per aligned span k, the signal
+  s_k = log p_student(span k) - log p_teacher(span k) (each the sum of its side's token log-probs in the span, by
+  the chain rule); every student token of span k gets the advantage -s_k, and the loss is the policy gradient
+  -A log pi_s(y) per token. Its `divergence` metric is the sampled reverse KL of the text per student token,
+  sum_k s_k / tokens: tokenizer-free.
+- `xtok_dense`: the truncated reverse KL with a tail (`topk_rkl_tail`) at the positions where a span starts,
+  against the teacher's next-token distribution projected onto the student's top-K support there (the support
+  ids and the projected log-probs come in the truncated kinds' fields). The projection equals the teacher's
+  next-text distribution for a character-level student at a teacher token boundary, and is a lower bound of it
+  elsewhere (`crosstok.project`); positions inside a teacher token carry no dense signal.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jopd.losses import divergences as div
+from jopd.losses.kinds import OBJECTIVES, Objective
+from jopd.losses.masks import masked_mean
+from jopd.losses.policy_gradient import policy_gradient_surrogate
+
+_SPANS = ("span_id_BxT", "span_mask_BxT")
+
+
+def _span_sums(values_BxT, span_BxT, K):
+    rows = jnp.arange(values_BxT.shape[0])[:, None]
+    return jnp.zeros((values_BxT.shape[0], K + 1), values_BxT.dtype).at[rows, span_BxT].add(values_BxT)[:, :K]
+
+
+def _none(cfg, logits, inp):
+    return {}
+
+
+def _sampled_reduce(cfg, logp, terms, batch, mask, weights):
+    """Span-level policy gradient: each student token of span k has the advantage -(s_k), s_k the span signal."""
+    logp_sg = jax.lax.stop_gradient(logp)
+    K = batch.span_mask_BxT.shape[1]
+    in_span = mask & (batch.span_id_BxT < K)
+    student = _span_sums(jnp.where(in_span, logp_sg, 0.0), jnp.where(in_span, batch.span_id_BxT, K), K)
+    signal = jnp.where(batch.span_mask_BxT, student - batch.span_teacher_logprobs_BxT.astype(jnp.float32), 0.0)
+    padded = jnp.concatenate([signal, jnp.zeros_like(signal[:, :1])], axis=1)
+    adv = -jnp.take_along_axis(padded, jnp.where(in_span, batch.span_id_BxT, K), axis=1)
+    tokens = jnp.maximum(jnp.sum(in_span), 1).astype(jnp.float32)
+    # num_tokens: the tokens with a signal (the degenerate-run guard stops a run whose rollouts never align)
+    metrics = {"divergence": jnp.sum(signal) / tokens, "advantage_mean": masked_mean(adv, in_span),
+               "num_tokens": jnp.sum(in_span).astype(jnp.float32),
+               "aligned_token_frac": jnp.sum(in_span) / jnp.maximum(jnp.sum(mask), 1)}
+    return policy_gradient_surrogate(logp, jnp.where(in_span, adv, 0.0)), weights, metrics
+
+
+def _dense_terms(cfg, logits, inp):
+    loss, mass = div.topk_tail_reverse_kl(logits, inp["teacher_topk_ids_BxTxK"], inp["teacher_topk_logprobs_BxTxK"],
+                                          inp["support_mask_BxTxK"])
+    return {"divergence": loss, "topk_mass": mass}
+
+
+def _dense_reduce(cfg, logp, terms, batch, mask, weights):
+    """The truncated reverse KL with a tail, at the span starts only."""
+    at_start = mask & batch.dense_mask_BxT
+    per_position = jnp.where(at_start, terms["divergence"], 0.0)
+    metrics = {"divergence": masked_mean(jax.lax.stop_gradient(terms["divergence"]), at_start),
+               "topk_mass": masked_mean(terms["topk_mass"], at_start),
+               "num_tokens": jnp.sum(at_start).astype(jnp.float32),  # positions with a signal (the guard's)
+               "dense_position_frac": jnp.sum(at_start) / jnp.maximum(jnp.sum(mask), 1)}
+    return per_position, weights, metrics
+
+
+OBJECTIVES.add("xtok_sampled", Objective((), _SPANS + ("span_teacher_logprobs_BxT",), _none, _sampled_reduce))
+OBJECTIVES.add("xtok_dense", Objective(("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK", "support_mask_BxTxK"),
+                                       ("dense_mask_BxT",), _dense_terms, _dense_reduce, student_support=True))

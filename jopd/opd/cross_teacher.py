@@ -1,0 +1,163 @@
+"""A teacher with another tokenizer (`loss.cross_tokenizer`): its scoring of the student's rollouts.
+
+On the host, each rollout's response text is re-tokenized by the teacher inside its own chat template and the two
+tokenizations are cut into aligned spans (`jopd.crosstok`); on the device, the teacher runs on its own token
+sequence and its scores are brought to the student's response layout:
+
+- **sampled** (exact): per aligned span, the teacher's log-prob of the span (the sum of its tokens' log-probs by
+  the chain rule) beside the student's span ids, for the span-level policy gradient of `xtok_sampled`;
+- **dense**: at the start of each aligned span (where both sides sit at a token boundary after the same text),
+  the teacher's next-token distribution projected onto the student's top-K support (`crosstok.project`), for the
+  truncated reverse KL with a tail of `xtok_dense` at those positions. Exact for a character-level student at a
+  teacher token boundary; a lower bound of the teacher's next-text probability elsewhere (docs/extending.md).
+
+A rollout the pair cannot align (a special token mid-response, a character the teacher cannot encode, more tokens
+than the layout holds) gets no spans: it adds nothing to the loss, and it is counted (`xtok_misaligned_frac`,
+with the reasons logged), never dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+from jopd import crosstok
+from jopd.losses.chunked import chunked_logits_map, head_params
+from jopd.models import transformer
+from jopd.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class CrossBatch:
+    """A batch's teacher-side sequences and span arrays (device pytree, rows like the rollout's)."""
+
+    prompt_BxPt: Int[Array, "B Pt"]  # the teacher's rendered prompt, left-padded
+    prompt_mask_BxPt: Bool[Array, "B Pt"]
+    tokens_BxNt: Int[Array, "B Nt"]  # the teacher's response ids (text, then end of turn), right-padded
+    mask_BxNt: Bool[Array, "B Nt"]
+    student_span_BxN: Int[Array, "B N"]  # span id of each student response token (N: none)
+    teacher_span_BxNt: Int[Array, "B Nt"]  # span id of each teacher response token (N: none)
+    span_mask_BxN: Bool[Array, "B N"]  # span k of the row exists (K = N slots: a span holds >= 1 student token)
+    student_start_BxN: Int[Array, "B N"]  # the student position of span k's first token
+    teacher_start_BxN: Int[Array, "B N"]  # the teacher position of span k's first token
+    aligned_B: Bool[Array, "B"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CrossTeacher:
+    """The checked tokenizer pair and what the projection needs (made once per run)."""
+
+    pair: crosstok.Pair
+    table: crosstok.ProjectionTable
+    system_prompt: str | None
+    teacher_pad_id: int
+
+    @classmethod
+    def make(cls, student_tok, teacher_tok, student_cfg: ModelConfig, teacher_cfg: ModelConfig,
+             system_prompt: str | None = None) -> "CrossTeacher":
+        """Check the pair before any compute (`crosstok.check_pair`: one line naming the problem)."""
+        pair = crosstok.check_pair(student_tok, teacher_tok)
+        table = crosstok.projection_table(pair.student, pair.teacher, pair.teacher_end_ids,
+                                          student_vocab_size=student_cfg.vocab_size,
+                                          teacher_vocab_size=teacher_cfg.vocab_size)
+        pad = teacher_tok.pad_token_id if teacher_tok.pad_token_id is not None else teacher_tok.eos_token_id
+        return cls(pair, table, system_prompt, int(pad))
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return msgs + [{"role": "user", "content": question}]
+
+    def align(self, questions, tokens_BxN: np.ndarray, lengths_B: np.ndarray, prompt_width: int,
+              teacher_width: int) -> tuple[dict[str, np.ndarray], list[str | None]]:
+        """This process's rows aligned (host, numpy): the `CrossBatch` arrays and each row's failure reason."""
+        B, N = tokens_BxN.shape
+        rows = [crosstok.align_response(self.pair, self.messages(str(q)), tokens_BxN[b, :lengths_B[b]].tolist())
+                for b, q in enumerate(questions)]
+        rows = [r if isinstance(r, crosstok.Misaligned) or len(r.teacher_prompt_ids_Pt) <= prompt_width
+                else crosstok.Misaligned(f"teacher prompt of {len(r.teacher_prompt_ids_Pt)} tokens > {prompt_width}")
+                for r in rows]
+        idx = crosstok.span_index(rows, N, teacher_width, N, pad_id=self.teacher_pad_id)
+        prompt = np.full((B, prompt_width), self.teacher_pad_id, np.int32)
+        pmask = np.zeros((B, prompt_width), bool)
+        pmask[:, -1] = True  # a failed row still has one (pad) prompt token: no empty attention rows
+        for b, r in enumerate(rows):
+            if idx.reasons[b] is None:
+                p = r.teacher_prompt_ids_Pt
+                prompt[b, prompt_width - len(p):], pmask[b] = p, np.arange(prompt_width) >= prompt_width - len(p)
+        arrays = {"prompt_BxPt": prompt, "prompt_mask_BxPt": pmask, "tokens_BxNt": idx.teacher_ids_BxNt,
+                  "mask_BxNt": idx.teacher_mask_BxNt, "student_span_BxN": idx.student_span_BxNs,
+                  "teacher_span_BxNt": idx.teacher_span_BxNt, "span_mask_BxN": idx.span_mask_BxK,
+                  "student_start_BxN": idx.student_start_BxK, "teacher_start_BxN": idx.teacher_start_BxK,
+                  "aligned_B": np.asarray([r is None for r in idx.reasons])}
+        return arrays, list(idx.reasons)
+
+
+def misaligned_summary(reasons: list[str | None]) -> str:
+    """The most common failure reasons of a batch, for the log."""
+    counts = Counter(r.split(" at ")[0] for r in reasons if r is not None)
+    return "; ".join(f"{n} x {r}" for r, n in counts.most_common(3))
+
+
+def _teacher_hidden(teacher_params, teacher_cfg: ModelConfig, cross: CrossBatch) -> jax.Array:
+    """The teacher's final hidden states at every position of its prompt + response rows [B, Pt + Nt, D]."""
+    tokens = jnp.concatenate([cross.prompt_BxPt, cross.tokens_BxNt], axis=1)
+    mask = jnp.concatenate([cross.prompt_mask_BxPt, cross.mask_BxNt], axis=1)
+    hidden, _ = transformer.forward(teacher_params, tokens, cfg=teacher_cfg, attn_mask_BxT=mask, return_hidden=True)
+    return jax.lax.stop_gradient(hidden)
+
+
+def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, *, teacher_cfg: ModelConfig,
+                         table: crosstok.ProjectionTable, mode: str, temperature: float, chunk: int
+                         ) -> dict[str, jax.Array]:
+    """`LossBatch` fields in the student's response layout [B, N]: the span arrays and the teacher's per-span
+    log-probs (sampled), or the projected teacher log-probs at the span starts (dense)."""
+    Pt = cross.prompt_BxPt.shape[1]
+    hidden = _teacher_hidden(teacher_params, teacher_cfg, cross)
+    head = jax.lax.stop_gradient(head_params(teacher_params))
+    out = {"span_id_BxT": cross.student_span_BxN, "span_mask_BxT": cross.span_mask_BxN}
+    if mode == "sampled":
+        # teacher position Pt + j - 1 predicts its response token j
+        h_BxNtxD = hidden[:, Pt - 1:Pt - 1 + cross.tokens_BxNt.shape[1]]
+
+        def target_logprobs(logits, inp):
+            z = logits / temperature
+            lp = jnp.take_along_axis(z, inp["t"][..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
+            return {"lp": lp}
+
+        lp = chunked_logits_map(target_logprobs, head, h_BxNtxD, {"t": cross.tokens_BxNt}, chunk, remat=False)["lp"]
+        lp = jnp.where(cross.mask_BxNt, lp, 0.0)
+        K = cross.span_mask_BxN.shape[1]
+        sums = jnp.zeros((lp.shape[0], K + 1), lp.dtype).at[jnp.arange(lp.shape[0])[:, None],
+                                                             cross.teacher_span_BxNt].add(lp)[:, :K]
+        out["span_teacher_logprobs_BxT"] = jnp.where(cross.span_mask_BxN, sums, 0.0)
+        return out
+    # dense: the teacher's distribution at each span start, projected onto the student's top-K there
+    rows = jnp.arange(hidden.shape[0])[:, None]
+    h_BxKxD = hidden[rows, Pt - 1 + cross.teacher_start_BxN]
+    support = jnp.take_along_axis(student_topk_BxNxK, cross.student_start_BxN[..., None], axis=1).astype(jnp.int32)
+    K = support.shape[-1]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)
+    first = ~jnp.any((support[..., :, None] == support[..., None, :]) & earlier, axis=-1)
+
+    def projected(logits, inp):
+        lp = jax.nn.log_softmax(logits / temperature, axis=-1)
+        return {"pi": crosstok.project_teacher(lp, inp["ids"], inp["first"], table).logprobs_PxK}
+
+    pi = chunked_logits_map(projected, head, h_BxKxD, {"ids": support, "first": first}, chunk, remat=False)["pi"]
+    keep = first & jnp.isfinite(pi) & cross.span_mask_BxN[..., None]  # an id the teacher cannot express: tail
+    # at the student position of each span start (scatter [B, K] -> [B, N]; K = N slots)
+    starts = jnp.where(cross.span_mask_BxN, cross.student_start_BxN, support.shape[1])
+    N = student_topk_BxNxK.shape[1]
+    put = lambda x, fill: jnp.full((x.shape[0], N + 1, *x.shape[2:]), fill, x.dtype).at[rows, starts].set(x)[:, :N]  # noqa: E731
+    out["teacher_topk_ids_BxTxK"] = put(support, 0)
+    out["teacher_topk_logprobs_BxTxK"] = put(jnp.where(keep, pi, 0.0), 0.0)
+    out["support_mask_BxTxK"] = put(keep, False)
+    out["dense_mask_BxT"] = put(cross.span_mask_BxN, False)
+    return out
