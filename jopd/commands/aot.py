@@ -1,6 +1,6 @@
 """Size a run before paying for it: ahead-of-time compile one OPD step for a TPU topology and report per-device memory.
 
-    jopd aot configs/qwen3_1p7b_from_8b_v5e.yaml [key=value ...] --topology v5e:4x4 [--out report.json]
+    jopd aot configs/qwen3_1p7b_from_8b_v5e.yaml [key=value ...] --topology v5e:4x4 [--out report.json] [--no-cost]
 
 (overrides follow the config directly, before the options)
 
@@ -8,6 +8,10 @@ Compiles the trainer's jitted stages (weight sync, sampler, teacher scoring, tra
 only (no weights are read: a model path may be a directory holding just config.json, e.g. configs/arch/qwen3-8b)
 for the given TPU topology (needs libtpu: pip install 'jopd[tpu]'; no TPU needed) or, without --topology, for
 the local devices. Prints per-device memory per stage; exits with an error if a stage does not fit in HBM.
+
+With --topology it also prints the step on paper (`jopd.opd.roofline`): per stage XLA's FLOPs and bytes per device
+from loop-free cost programs, the roofline time on the chip's peaks, the predicted step time, rollout tokens/s per
+chip and MFU (--no-cost skips it: the cost programs take another compile of each looped stage).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--hbm-gib", type=float, default=None,
                    help="HBM per device in GiB (default: from the device kind; unknown kinds are not checked)")
+    p.add_argument("--no-cost", action="store_true",
+                   help="with --topology: skip the roofline (XLA's cost analysis of loop-free cost programs, "
+                        "the predicted step time, rollout tokens/s per chip, MFU), which compiles more programs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     devices = topology_devices(args.topology) if args.topology else None
     report = compile_opd_step(cfg, devices, target=args.topology or "local", stages=stages,
                               hbm_bytes=None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30)),
-                              progress=sys.stderr.isatty())
+                              progress=sys.stderr.isatty(), cost=args.topology is not None and not args.no_cost)
     print(report.table())
     if args.out:
         with open(args.out, "w") as f:

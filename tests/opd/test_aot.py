@@ -219,3 +219,169 @@ def test_rl_baselines_lower_with_grouped_rows_and_advantages():
     batch = lowered.args_info[0][1]  # (args, kwargs): args = (state, batch)
     assert batch.loss.advantages_BxT.shape == (16, 8) and batch.tokens_BxS.shape == (16, 24)
     assert buffers["kv_cache"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU on paper: cost programs and the roofline
+
+
+def test_chip_peaks_and_device_kinds():
+    """The published per-chip peaks (bf16 dense FLOP/s, HBM bytes/s) and the device kinds that map to them."""
+    from jopd.opd import roofline
+
+    assert {k: (p.flops, p.hbm_bytes_per_s) for k, p in roofline.CHIP_PEAKS.items()} == {
+        "v4": (275e12, 1200e9), "v5e": (197e12, 819e9), "v5p": (459e12, 2765e9), "v6e": (918e12, 1638e9)}
+    assert all(p.source == f"https://cloud.google.com/tpu/docs/{k}" for k, p in roofline.CHIP_PEAKS.items())
+    assert {kind: roofline.chip_of(kind, aot.HBM_GIB_PER_CHIP) for kind in aot.HBM_GIB_PER_CHIP} == {
+        kind: chip for kind, (chip, _) in aot.HBM_GIB_PER_CHIP.items()}
+    assert roofline.chip_of("cpu", aot.HBM_GIB_PER_CHIP) is None
+    with pytest.raises(ValueError, match="roofline: no chip peaks for 'cpu'"):  # before any compile
+        aot.compile_opd_step(tiny_cfg(), cost=True, progress=False)
+
+
+def test_cost_of_matmul_programs_by_hand():
+    """XLA's cost of one matmul is analytic; a scan of 10 counts one (why the cost programs are loop-free); fp32
+    matmuls at HIGHEST add 5 bf16 MXU passes; the roofline is max(FLOPs / peak, bytes / bandwidth) per device."""
+    from jopd.opd import roofline
+
+    m, k, n = 64, 128, 256
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, n), jnp.float32)
+    matmul = jax.jit(lambda x, w: jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST))
+    lowered = matmul.lower(x, w)
+    cost = roofline.Cost.of(lowered.compile(), lowered.as_text(), num_devices=1)
+    assert cost.flops == 2 * m * k * n and cost.extra_pass_flops == 5 * 2 * m * k * n and cost.loops == 0
+    assert cost.bytes == 4 * (m * k + k * n + m * n)
+    peak = roofline.CHIP_PEAKS["v5e"]
+    assert cost.seconds(peak) == (6 * 2 * m * k * n / 197e12, 4 * (m * k + k * n + m * n) / 819e9)
+    assert cost.seconds(peak, devices_per_chip=2) == tuple(2 * s for s in cost.seconds(peak))
+
+    bf16 = jax.jit(lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).lower(x, w).as_text()
+    assert roofline.dot_flops_by_passes(bf16) == {1: 2 * m * k * n}  # bf16 operands: one pass at any precision
+
+    ws = jax.ShapeDtypeStruct((10, k, k), jnp.float32)
+    scan = jax.jit(lambda x, ws: jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]).lower(x, ws).compile()
+    looped = roofline.Cost.of(scan)
+    assert looped.flops == pytest.approx(2 * m * k * k, abs=16) and looped.loops == 1  # ten matmuls, one counted
+    # (+ the loop counter's few integer ops)
+
+
+def test_roofline_arithmetic_by_hand():
+    """Stage time = sum over its programs of runs x max(compute, HBM); step = sum of stages; tokens/s per chip and
+    MFU from those, on made-up costs with round numbers."""
+    from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost
+
+    peak = CHIP_PEAKS["v5e"]
+    f, b = peak.flops, peak.hbm_bytes_per_s  # 1 s of compute, 1 s of HBM traffic per device
+    sample = StageCost("sample", (Part("prefill", 1, Cost(0.5 * f, 0.1 * b)),  # 0.5 s, compute-bound
+                                  Part("decode", 100, Cost(0.001 * f, 0.01 * b))))  # 100 x 0.01 s, HBM-bound
+    train = StageCost("train_step", (Part("update", 1, Cost(0.2 * f, 0.05 * b, extra_pass_flops=1.0 * f)),))
+    assert sample.seconds(peak) == pytest.approx((0.6, 1.1, 1.5)) and sample.bound(peak) == "HBM"
+    assert train.seconds(peak) == pytest.approx((1.2, 0.05, 1.2)) and train.bound(peak) == "compute"
+    r = Roofline(chip="v5e", peak=peak, num_devices=8, devices_per_chip=1, stages=[sample, train],
+                 rollout_tokens=64 * 512, model_flops={"sample": 1e15, "train_step": 3e15}, compile_s=1.0)
+    assert r.chips == 8 and r.step_s == pytest.approx(2.7)
+    assert r.rollout_tokens_per_s_per_chip == pytest.approx(64 * 512 / (1.5 * 8))
+    assert r.mfu == pytest.approx(4e15 / (2.7 * 8 * 197e12))
+    d = r.to_dict()
+    assert d["step_s"] == r.step_s and [s["bound"] for s in d["stages"]] == ["HBM", "compute"]
+    assert d["stages"][0]["parts"][1] | {} == {"name": "decode", "count": 100, "compile_s": 0.0, "error": None,
+                                              "flops": 0.001 * f, "bytes": 0.01 * b, "extra_pass_flops": 0.0,
+                                              "loops": 0}
+    table = r.table()
+    assert "prefill x1 + decode x100" in table and "predicted step 2.7 s" in table and "MFU" in table
+    # two devices per chip: each device has half the chip's peaks
+    assert dataclasses.replace(r, devices_per_chip=2).step_s == pytest.approx(5.4)
+    refused = StageCost("train_step", (Part("update", 1, None, error="RESOURCE_EXHAUSTED"),))
+    assert dataclasses.replace(r, stages=[sample, refused]).step_s is None
+
+
+def _fwd_dot_flops(m, rows: int, positions: int) -> int:
+    """Matmul FLOPs of a forward over `positions` per row, attending over all of them (no cache)."""
+    D, H, K, Dh, F = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size
+    per_token = 2 * (D * H * Dh + 2 * D * K * Dh + H * Dh * D + 3 * D * F)
+    return m.num_layers * (rows * positions * per_token + 4 * rows * H * positions * positions * Dh)
+
+
+@pytest.fixture(scope="module")
+def costed():
+    """3 layers and 2 loss chunks: the looped programs count one layer and one chunk, the cost programs all."""
+    cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8", "student.arch.num_layers=3", "teacher.arch.num_layers=3",
+                   "loss.chunk_size=4", "train.remat=true")
+    return cfg, aot.compile_opd_step(cfg, progress=False, cost=True, chip="v5e")
+
+
+def test_cost_programs_count_every_layer_chunk_and_token(costed):
+    cfg, report = costed
+    looped = {s.name: s.cost for s in report.stages}
+    cost = {s.name: s for s in report.roofline.stages}
+    B, P, N = 8, 16, 8
+    # the sampler: the looped program is the prefill + one decode step (the while body, counted once), so the cost
+    # programs add the other N - 2 decode steps
+    prefill, decode = cost["sample"].parts
+    assert (prefill.name, prefill.count, decode.name, decode.count) == ("prefill", 1, "decode", N - 1)
+    assert prefill.cost.flops + decode.cost.flops == pytest.approx(looped["sample"].flops, rel=1e-4)
+    assert looped["sample"].loops >= 1 and prefill.cost.loops == decode.cost.loops == 0  # top_p=1: no bisection
+    # teacher scoring: every layer, and the head of every response position (the second chunk from the one-layer
+    # programs), exactly: the fp32 teacher's matmuls are all HIGHEST, so their FLOPs are the extra passes / 5
+    teacher = aot.model_config_of(cfg.teacher, "teacher")
+    scoring = cost["teacher_scoring"]
+    assert [(p.name, p.count, p.derived) for p in scoring.parts] == [("forward", 1, False), ("chunk", 1, True)]
+    dots = _fwd_dot_flops(teacher, B, P + N) + 2 * B * N * teacher.hidden_size * teacher.vocab_size
+    assert scoring.total("extra_pass_flops") * 8 / 5 == dots  # 8 devices
+    assert dots / 8 < scoring.total("flops") < 1.1 * dots / 8  # XLA's count: the matmuls + elementwise work
+    assert looped["teacher_scoring"].flops < 0.5 * scoring.total("flops")  # one layer and one chunk counted
+    # the update: forward + backward + the layers' recompute (remat), every layer
+    student = aot.model_config_of(cfg.student, "student")
+    update = cost["train_step"]
+    assert [(p.name, p.count) for p in update.parts] == [("update", 1), ("loss chunk", 1)]
+    assert update.total("flops") > 3.5 * _fwd_dot_flops(student, B, P + N) / 8
+    assert looped["train_step"].flops < 0.5 * update.total("flops")
+    assert report.roofline.step_s > 0 and 0 < report.roofline.mfu < 1
+    assert not any("while loop" in n for n in report.roofline.notes)  # every loop accounted for
+
+
+def test_cost_programs_equal_a_loop_free_real_step():
+    """One layer and one loss chunk: the real scoring and update hold no loop, so XLA's cost of them is exact. With
+    two chunks, the cost programs (one chunk counted in the program, the other from the one-layer pair) cost the
+    same."""
+    base = ("mesh.data=1", "mesh.fsdp=8", "train.remat=true")
+    stages = ["teacher_scoring", "train_step"]
+    real = aot.compile_opd_step(tiny_cfg(*base), stages=stages, progress=False).stages
+    chunked = aot.compile_opd_step(tiny_cfg(*base, "loss.chunk_size=4"), stages=stages, progress=False, cost=True,
+                                   chip="v5e").roofline.stages
+    for loop_free, stage in zip(real, chunked):
+        assert loop_free.cost.loops == 0 and [p.derived for p in stage.parts] == [False, True]
+        assert stage.total("flops") == pytest.approx(loop_free.cost.flops, rel=0.02)
+        assert stage.total("bytes") == pytest.approx(loop_free.cost.bytes, rel=0.1)
+
+
+def test_model_flops_and_json(costed):
+    cfg, report = costed
+    r = report.roofline
+    s, t = aot.model_config_of(cfg.student, "student"), aot.model_config_of(cfg.teacher, "teacher")
+    head = lambda m: m.hidden_size * m.vocab_size  # noqa: E731
+    layers = lambda m: aot.param_count(m) - head(m) * (1 if m.tie_word_embeddings else 2) - m.hidden_size  # noqa: E731
+    B, P, N = 8, 16, 8
+    assert r.model_flops == {"weight_sync": 0.0, "sample": 2 * (layers(s) * (B * P + B * (N - 1)) + head(s) * B * N),
+                             "teacher_scoring": 2 * (layers(t) * B * (P + N) + head(t) * B * N),
+                             "train_step": 6 * (layers(s) * B * (P + N) + head(s) * B * N)}
+    d = json.loads(report.to_json())["roofline"]
+    assert d["chip"] == "v5e" and d["chips"] == 8 and d["rollout_tokens"] == B * N
+    assert [s["name"] for s in d["stages"]] == list(aot.STAGES) and d["step_s"] == pytest.approx(r.step_s)
+    assert d["rollout_tokens_per_s_per_chip"] == pytest.approx(B * N / (r.stage_seconds("sample") * 8))
+
+
+def test_cli_prints_the_roofline_for_a_topology(tmp_path, capsys):
+    pytest.importorskip("libtpu")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("mesh:\n  data: 1\n  fsdp: 4\n")
+    out = tmp_path / "report.json"
+    assert main(["aot", str(cfg), *TINY, "--topology", "v5e:2x2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "per-device memory" in text and "roofline on 4 x v5e (197 TFLOP/s bf16, 819 GB/s HBM per chip" in text
+    assert "prefill x1 + decode x7" in text and "predicted step" in text and "tok/s per chip" in text
+    assert "MFU" in text and "cost programs compiled in" in text
+    report = json.loads(out.read_text())
+    assert report["roofline"]["chip"] == "v5e" and report["roofline"]["step_s"] > 0
+    assert main(["aot", str(cfg), *TINY, "--topology", "v5e:2x2", "--stages", "weight_sync", "--no-cost"]) == 0
+    assert "roofline" not in capsys.readouterr().out

@@ -1,0 +1,286 @@
+"""TPU on paper: a roofline prediction of one OPD step from XLA's cost analysis and a table of chip peaks.
+
+Each stage's time is the sum over its cost programs (`jopd.opd.aot.cost_programs`: loop-free programs lowered
+with the stage's shardings, each run `count` times) of max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), per
+device, from `compiled.cost_analysis()`. The stages run one after another, so the step is their sum. Matmuls
+with float32 operands at Precision.HIGHEST (the fp32 trainer's and the teacher scoring's) run as 6 bf16 passes
+on the MXU and HIGH as 3 (XLA's BF16_BF16_F32_X6 / _X3 algorithms); XLA counts their FLOPs once, so the extra
+passes are added from the lowered StableHLO (`dot_flops_by_passes`).
+
+What the prediction leaves out: collectives' ICI time (FSDP all-gathers, reduce-scatters), host work and
+dispatch between stages, the loops' own control, overlap of stages, and compiler efficiency (the roofline is a
+lower bound: 100% of peak FLOP/s or HBM bandwidth, whichever binds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipPeak:
+    """Per-chip peaks: dense bf16 matmul FLOP/s and HBM bytes/s, with where the figures are published."""
+
+    flops: float
+    hbm_bytes_per_s: float
+    source: str
+
+
+CHIP_PEAKS: dict[str, ChipPeak] = {
+    "v4": ChipPeak(275e12, 1200e9, "https://cloud.google.com/tpu/docs/v4"),
+    "v5e": ChipPeak(197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e"),
+    "v5p": ChipPeak(459e12, 2765e9, "https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": ChipPeak(918e12, 1638e9, "https://cloud.google.com/tpu/docs/v6e"),
+}
+# MXU passes of a float32 x float32 matmul by StableHLO precision (DEFAULT: one bf16 pass)
+F32_PASSES: dict[str, int] = {"DEFAULT": 1, "HIGH": 3, "HIGHEST": 6}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One compiled program, per device: XLA's FLOPs and bytes accessed, the MXU's extra bf16 passes for fp32
+    matmuls (as FLOPs), and the while loops left in it (XLA counts a loop body once)."""
+
+    flops: float
+    bytes: float
+    extra_pass_flops: float = 0.0
+    loops: int = 0
+
+    @classmethod
+    def of(cls, compiled, lowered_text: str | None = None, num_devices: int = 1) -> "Cost":
+        ca = compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca  # older jax: one dict per program
+        extra = 0.0
+        if lowered_text is not None:  # global (unpartitioned) shapes: the matmuls split evenly over the devices
+            extra = sum((p - 1) * f for p, f in dot_flops_by_passes(lowered_text).items()) / num_devices
+        loops = len(re.findall(r"\swhile\(", compiled.as_text()))
+        return cls(float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0)), extra, loops)
+
+    def minus(self, other: "Cost", scale: float = 1.0) -> "Cost":
+        """scale x (self - other): what one program runs and the other does not (a loop body); `loops` stays this
+        program's (the loops the body accounts for)."""
+        return Cost(scale * (self.flops - other.flops), scale * (self.bytes - other.bytes),
+                    scale * (self.extra_pass_flops - other.extra_pass_flops), self.loops)
+
+    def seconds(self, peak: ChipPeak, devices_per_chip: int = 1) -> tuple[float, float]:
+        """(compute-bound, HBM-bound) seconds on one device."""
+        return (devices_per_chip * (self.flops + self.extra_pass_flops) / peak.flops,
+                devices_per_chip * self.bytes / peak.hbm_bytes_per_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul FLOPs by MXU passes, from the lowered StableHLO
+
+
+_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(", re.M)
+_CALL = re.compile(r"\bcall @([\w.$-]+)\(")
+_DOT_TYPES = re.compile(r":\s*\(tensor<([^>]*)>, tensor<[^>]*>\) -> tensor<([^>]*)>")
+
+
+def _tensor_type(t: str) -> tuple[list[int], str]:
+    *dims, elem = t.split("x")
+    return [int(d) for d in dims], elem
+
+
+def _dot_flops(line: str) -> tuple[int, int]:
+    """(MXU passes, FLOPs) of one `stablehlo.dot_general` line: 2 x output elements x contracted size."""
+    contracting = re.search(r"contracting_dims = \[([\d, ]*)\] x", line)
+    types = _DOT_TYPES.search(line)
+    if contracting is None or types is None:
+        raise ValueError(f"dot_flops_by_passes: cannot read the dot_general {line.strip()[:200]!r}")
+    lhs, elem = _tensor_type(types.group(1))
+    out, _ = _tensor_type(types.group(2))
+    k = math.prod(lhs[int(i)] for i in contracting.group(1).replace(" ", "").split(",") if i)
+    precision = re.search(r"precision = \[(\w+)", line)
+    passes = F32_PASSES.get(precision.group(1) if precision else "DEFAULT", 1) if elem == "f32" else 1
+    return passes, 2 * math.prod(out) * k
+
+
+def dot_flops_by_passes(stablehlo: str) -> dict[int, int]:
+    """{MXU passes: FLOPs} of every dot_general in a lowered module (global shapes), each private function counted
+    once per call. Loop bodies count once, as in XLA's cost analysis: meant for loop-free programs."""
+    starts = [(m.start(), m.group(1)) for m in _FUNC.finditer(stablehlo)]
+    bodies = {name: stablehlo[a:b] for (a, name), (b, _) in zip(starts, starts[1:] + [(len(stablehlo), "")])}
+    memo: dict[str, dict[int, int]] = {}
+
+    def total(name: str) -> dict[int, int]:
+        if name not in memo:
+            out: dict[int, int] = {}
+            for line in bodies[name].splitlines():
+                if "stablehlo.dot_general" in line:
+                    p, f = _dot_flops(line)
+                    out[p] = out.get(p, 0) + f
+                for callee in _CALL.findall(line):
+                    for p, f in total(callee).items():
+                        out[p] = out.get(p, 0) + f
+            memo[name] = out
+        return memo[name]
+
+    return total("main") if "main" in bodies else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# stages, the step, the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One cost program of a stage, run `count` times per step."""
+
+    name: str
+    count: int
+    cost: Cost | None  # None: the compiler refused it
+    compile_s: float = 0.0
+    error: str | None = None
+    derived: bool = False  # a loop body (`Cost.minus` of two programs); its `loops` are those it accounts for
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    name: str
+    parts: tuple[Part, ...]
+
+    @property
+    def error(self) -> str | None:
+        return next((f"{p.name}: {p.error}" for p in self.parts if p.error), None)
+
+    def total(self, field: str) -> float:
+        return sum(p.count * getattr(p.cost, field) for p in self.parts if p.cost is not None)
+
+    def seconds(self, peak: ChipPeak, devices_per_chip: int = 1) -> tuple[float, float, float]:
+        """(compute-bound s, HBM-bound s, roofline s): each part at the max of its two bounds, times its count."""
+        compute = memory = time = 0.0
+        for p in self.parts:
+            if p.cost is not None:
+                c, m = p.cost.seconds(peak, devices_per_chip)
+                compute, memory, time = compute + p.count * c, memory + p.count * m, time + p.count * max(c, m)
+        return compute, memory, time
+
+    def bound(self, peak: ChipPeak, devices_per_chip: int = 1) -> str:
+        """What limits the stage: the bound of the parts that take most of its time."""
+        by = {"compute": 0.0, "HBM": 0.0}
+        for p in self.parts:
+            if p.cost is not None:
+                c, m = p.cost.seconds(peak, devices_per_chip)
+                by["compute" if c >= m else "HBM"] += p.count * max(c, m)
+        return max(by, key=by.get)
+
+
+def model_flops(layer_params: int, head_params: int, positions: int, projected: int, factor: int) -> float:
+    """factor x (layer params x positions + head params x positions projected to logits): 2 for a forward, 6 for
+    forward + backward; the attention's score and value matmuls and the embedding lookup are not counted."""
+    return float(factor * (layer_params * positions + head_params * projected))
+
+
+@dataclasses.dataclass
+class Roofline:
+    """The prediction of one step on `chips` chips of `chip` (see the module docstring)."""
+
+    chip: str
+    peak: ChipPeak
+    num_devices: int
+    devices_per_chip: int
+    stages: list[StageCost]
+    rollout_tokens: int  # rows x max_new_tokens: every row decodes to the length cap (the programs' shapes)
+    model_flops: dict[str, float]  # global, per stage (`model_flops`)
+    compile_s: float
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def chips(self) -> int:
+        return max(1, self.num_devices // self.devices_per_chip)
+
+    def stage_seconds(self, name: str) -> float | None:
+        stage = next((s for s in self.stages if s.name == name), None)
+        return None if stage is None or stage.error else stage.seconds(self.peak, self.devices_per_chip)[2]
+
+    @property
+    def step_s(self) -> float | None:
+        times = [self.stage_seconds(s.name) for s in self.stages]
+        return None if any(t is None for t in times) else sum(times)
+
+    @property
+    def rollout_tokens_per_s_per_chip(self) -> float | None:
+        t = self.stage_seconds("sample")
+        return None if not t else self.rollout_tokens / (t * self.chips)
+
+    @property
+    def mfu(self) -> float | None:
+        step = self.step_s
+        done = [s.name for s in self.stages]
+        if not step or not done:
+            return None
+        return sum(self.model_flops.get(n, 0.0) for n in done) / (step * self.chips * self.peak.flops)
+
+    def to_dict(self) -> dict[str, Any]:
+        stages = []
+        for s in self.stages:
+            compute, memory, time = s.seconds(self.peak, self.devices_per_chip)
+            stages.append({"name": s.name, "flops": s.total("flops"), "bytes": s.total("bytes"),
+                           "extra_pass_flops": s.total("extra_pass_flops"), "compute_s": compute, "hbm_s": memory,
+                           "time_s": None if s.error else time, "bound": s.bound(self.peak, self.devices_per_chip),
+                           "model_flops": self.model_flops.get(s.name), "error": s.error,
+                           "parts": [{"name": p.name, "count": p.count, "compile_s": round(p.compile_s, 2),
+                                      "error": p.error, **(dataclasses.asdict(p.cost) if p.cost else {})}
+                                     for p in s.parts]})
+        return {"chip": self.chip, "peak_flops_per_chip": self.peak.flops,
+                "hbm_bytes_per_s_per_chip": self.peak.hbm_bytes_per_s, "source": self.peak.source,
+                "chips": self.chips, "devices_per_chip": self.devices_per_chip, "per_device": True,
+                "stages": stages, "step_s": self.step_s, "rollout_tokens": self.rollout_tokens,
+                "rollout_tokens_per_s_per_chip": self.rollout_tokens_per_s_per_chip, "mfu": self.mfu,
+                "compile_s": round(self.compile_s, 2), "notes": self.notes}
+
+    def table(self) -> str:
+        p = self.peak
+        lines = [f"roofline on {self.chips} x {self.chip} ({p.flops / 1e12:.0f} TFLOP/s bf16, "
+                 f"{p.hbm_bytes_per_s / 1e9:.0f} GB/s HBM per chip; {p.source}), per device:"]
+        head = ("stage", "programs", "GFLOP", "+passes", "GB", "compute s", "HBM s", "=time s", "bound")
+        rows = [head]
+        for s in self.stages:
+            compute, memory, time = s.seconds(self.peak, self.devices_per_chip)
+            programs = " + ".join(f"{q.name} x{q.count}" for q in s.parts)
+            rows.append((s.name, programs, _num(s.total("flops") / 1e9), _num(s.total("extra_pass_flops") / 1e9),
+                         _num(s.total("bytes") / 1e9), _num(compute), _num(memory), "-" if s.error else _num(time),
+                         "-" if s.error else s.bound(self.peak, self.devices_per_chip)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                  for r in rows]
+        lines += [f"  {s.name}: {s.error}" for s in self.stages if s.error]
+        lines.append(self.summary())
+        lines.append(f"cost programs compiled in {self.compile_s:.1f} s (--no-cost skips them)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        mfu, tok_s = self.mfu, self.rollout_tokens_per_s_per_chip
+        return (f"predicted step {'-' if self.step_s is None else _num(self.step_s)} s (the stages in sequence); "
+                f"rollout {'-' if tok_s is None else f'{tok_s:.0f}'} tok/s per chip ({self.rollout_tokens} tokens: "
+                f"every row to max_new_tokens); MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} (model FLOPs: 2 x "
+                f"params x tokens for rollout and scoring, 6 x for the update; attention excluded)")
+
+
+def _num(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def chip_of(device_kind: str, kinds: Mapping[str, tuple[str, float]]) -> str | None:
+    """The chip name (`CHIP_PEAKS` key) of a `device.device_kind`, via `kinds` (aot's HBM table), else None."""
+    chip = kinds.get(device_kind, (None,))[0]
+    return chip if chip in CHIP_PEAKS else None
+
+
+def loop_notes(stages: Sequence[StageCost]) -> list[str]:
+    """A note for every stage whose cost programs hold while loops that no derived part accounts for (the top-p
+    bisection, a loop the compiler made): their bodies are counted once per run."""
+    notes = []
+    for s in stages:
+        left = sum(p.cost.loops for p in s.parts if p.cost and not p.derived)
+        left -= sum(p.cost.loops for p in s.parts if p.cost and p.derived)
+        if left > 0:
+            notes.append(f"{s.name}: {left} while loop(s) left in its cost programs (e.g. the top-p bisection), "
+                         f"each body counted once per run")
+    return notes
