@@ -67,6 +67,7 @@ from tqdm.auto import trange  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
 
 import trl_update  # noqa: E402
+from dot_timing import dot_seconds  # noqa: E402
 from sampler import matmul_gflops  # noqa: E402
 from jopd.opd import loop  # noqa: E402
 from jopd.opd.run_config import load_config  # noqa: E402
@@ -226,23 +227,6 @@ def update_matmul_flops(t_cfg, s_cfg, batch: int, prompt_len: int, new_tokens: i
     return body(t_cfg) + head + 3 * body(s_cfg) + head + 3 * 2 * B * N * top_k * s_cfg.hidden_size
 
 
-def _best_call_s(f, *args, repeats: int = 5) -> float:
-    f(*args).block_until_ready()
-    return min(trl_update.timed(lambda: f(*args).block_until_ready()) for _ in range(repeats))
-
-
-def _dot_seconds(lhs: tuple, rhs: tuple, spec: str, cache: dict) -> float:
-    """Best-of-5 seconds of one einsum at these shapes (fp32, jopd's XLA flags) less the cost of a jitted call
-    that does nothing (dispatch), cached by shape."""
-    if "dispatch" not in cache:
-        cache["dispatch"] = _best_call_s(jax.jit(lambda a: a + 1), jnp.ones((), jnp.float32), repeats=20)
-    key = (lhs, rhs, spec)
-    if key not in cache:
-        a, b = jnp.ones(lhs, jnp.float32), jnp.ones(rhs, jnp.float32)
-        cache[key] = max(_best_call_s(jax.jit(lambda a, b: jnp.einsum(spec, a, b)), a, b) - cache["dispatch"], 0.0)
-    return cache[key]
-
-
 def update_matmul_floor_s(t_cfg, s_cfg, batch: int, prompt_len: int, new_tokens: int) -> float:
     """The update part's matmuls (those of `update_matmul_flops`), each einsum timed alone at its own shape on this
     machine and summed: the teacher's layer projections, attention and LM head forward; the student's layer
@@ -257,16 +241,16 @@ def update_matmul_floor_s(t_cfg, s_cfg, batch: int, prompt_len: int, new_tokens:
         projections = [(D, H * Dh), (D, K * Dh), (D, K * Dh), (H * Dh, D), (D, I), (D, I), (I, D)]
         t = 0.0
         for k_in, n_out in projections:
-            t += _dot_seconds((M, k_in), (k_in, n_out), "mk,kn->mn", cache)
+            t += dot_seconds((M, k_in), (k_in, n_out), "mk,kn->mn", cache)
             if backward:
-                t += _dot_seconds((M, n_out), (k_in, n_out), "mn,kn->mk", cache)  # dx
-                t += _dot_seconds((M, k_in), (M, n_out), "mk,mn->kn", cache)  # dW
+                t += dot_seconds((M, n_out), (k_in, n_out), "mn,kn->mk", cache)  # dx
+                t += dot_seconds((M, k_in), (M, n_out), "mk,mn->kn", cache)  # dW
         G = H // K
-        attention = (_dot_seconds((B, T, K, G, Dh), (B, K, T, Dh), "btkgd,bksd->bkgts", cache)
-                     + _dot_seconds((B, K, G, T, T), (B, K, T, Dh), "bkgts,bksd->btkgd", cache))
+        attention = (dot_seconds((B, T, K, G, Dh), (B, K, T, Dh), "btkgd,bksd->bkgts", cache)
+                     + dot_seconds((B, K, G, T, T), (B, K, T, Dh), "bkgts,bksd->btkgd", cache))
         return t + attention * (3 if backward else 1)
 
-    head = _dot_seconds((B * N, s_cfg.hidden_size), (s_cfg.hidden_size, s_cfg.vocab_size), "md,dv->mv", cache)
+    head = dot_seconds((B * N, s_cfg.hidden_size), (s_cfg.hidden_size, s_cfg.vocab_size), "md,dv->mv", cache)
     teacher = t_cfg.num_layers * layer(t_cfg, backward=False) + head
     student = s_cfg.num_layers * layer(s_cfg, backward=True) + head
     return teacher + student

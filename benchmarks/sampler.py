@@ -6,7 +6,10 @@ transformers runs on torch CPU with `torch.set_num_threads(2)`. Prints new token
 the fraction of this machine's fp32 matmul rate (jnp.dot 2048^3, measured here) that each reaches, taking
 FLOPs per new token = 2 * (matmul params) + attention over the context. `bound tok/s` is the rate at 100% of
 that matmul rate counting the prompt's prefill too (32 prompt tokens per row through every layer, amortized
-over the 64 new tokens): no implementation on this machine gets past it. jopd's compile time is separate.
+over the 64 new tokens): no implementation on this machine gets past it. `ceiling tok/s` is the decode-only
+matmul ceiling: each of a decode step's matmuls (the layers' projections, the attention over the mean context,
+the LM head) timed alone at its own shape (M = the batch's rows) on this machine, summed; %ceil = the share
+of it reached end to end (the prompts' prefill included in the measured rate). jopd's compile time is separate.
 
     PYTHONPATH=. python benchmarks/sampler.py [--batch-sizes 1,16,64] [--skip-hf]
 
@@ -33,10 +36,15 @@ from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
 
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dot_timing import dot_seconds  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.sampling.sampler import Sampler, SamplingConfig  # noqa: E402
 
@@ -69,6 +77,20 @@ def prefill_flops_per_new_token(cfg, params, prompt_len: int, new_tokens: int) -
     layers = sum(x.size for x in jax.tree.leaves(params["layers"]))
     attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len  # causal: half of 4 * P^2 / P
     return prompt_len * (2 * layers + attention) / new_tokens
+
+
+def decode_matmul_ceiling(cfg, batch: int, context: int, cache: dict) -> float:
+    """New tokens/s if a decode step took only its matmuls, each timed alone at its own shape (M = batch rows):
+    the layers' projections, the attention over `context` cached positions, the LM head."""
+    D, H, K, Dh, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                         cfg.vocab_size)
+    G = H // K
+    layer = sum(dot_seconds((batch, k_in), (k_in, n_out), "mk,kn->mn", cache)
+                for k_in, n_out in ((D, H * Dh), (D, K * Dh), (D, K * Dh), (H * Dh, D), (D, F), (D, F), (F, D)))
+    layer += dot_seconds((batch, 1, K, G, Dh), (batch, K, context, Dh), "btkgd,bksd->bkgts", cache)
+    layer += dot_seconds((batch, K, G, 1, context), (batch, K, context, Dh), "bkgts,bksd->btkgd", cache)
+    step = cfg.num_layers * layer + dot_seconds((batch, D), (D, V), "md,dv->mv", cache)
+    return batch / step
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
@@ -157,17 +179,22 @@ def main() -> None:
           f"new token; {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, top-p {args.top_p}; "
           f"{'random weights' if args.random_weights else 'SmolLM2 GGUF weights'}; transformers on {args.hf_device}")
     header = (f"{'batch':>5} | {'jopd tok/s':>10} | {'HF tok/s':>9} | {'ratio':>6} | {'jopd %peak':>10} | "
-              f"{'HF %peak':>8} | {'bound tok/s':>11} | {'jopd compile s':>14}")
+              f"{'HF %peak':>8} | {'bound tok/s':>11} | {'ceiling tok/s':>13} | {'jopd %ceil':>10} | "
+              f"{'HF %ceil':>8} | {'jopd compile s':>14}")
     print(header)
     print("-" * len(header))
+    dots: dict = {}
     for b in batches:
         prompts = make_prompts(b, args.prompt_tokens, cfg.vocab_size)
+        ceiling = decode_matmul_ceiling(cfg, b, args.prompt_tokens + args.new_tokens // 2, dots)
         jopd_rate, compile_s = bench_jopd(cfg, params, prompts, args.new_tokens, args.top_p, args.repeats)
         hf_rate = float("nan") if hf_model is None else bench_hf(hf_model, prompts, args.new_tokens, args.top_p,
                                                                   args.repeats)
         pct = lambda rate: 100 * rate * flops / 1e9 / peak  # noqa: E731
         print(f"{b:>5} | {jopd_rate:>10.1f} | {hf_rate:>9.1f} | {jopd_rate / hf_rate:>5.2f}x | "
-              f"{pct(jopd_rate):>9.1f}% | {pct(hf_rate):>7.1f}% | {bound:>11.0f} | {compile_s:>14.1f}", flush=True)
+              f"{pct(jopd_rate):>9.1f}% | {pct(hf_rate):>7.1f}% | {bound:>11.0f} | {ceiling:>13.0f} | "
+              f"{100 * jopd_rate / ceiling:>9.1f}% | {100 * hf_rate / ceiling:>7.1f}% | {compile_s:>14.1f}",
+              flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -15,7 +15,8 @@ comes from the prefill); forward = real prompt + response tokens / the rows x co
 student's forwards run (padded: B x (P + N); packed: the packed rows); head = response tokens / the positions
 the LM head, the teacher's top-K and the loss's per-position terms run on (padded: B x N; packed: the compact
 rows). Stage times are medians of `--steps` blocked steps after `--warmup` (packed shapes compile per row
-bucket); the full step is `--steps` steps dispatched as the loop runs them, blocked once.
+bucket), the two modes' steps interleaved so that the shared machine's drift hits both; the full step is
+`--steps` steps dispatched as the loop runs them, blocked once.
 
     PYTHONPATH=. python benchmarks/step_waste.py [--workloads testbed,smollm2,skewed] [--slots auto]
 Writes step_waste.json / .png under --out (default benchmarks/results/).
@@ -65,19 +66,22 @@ class Workload:
     batches: object  # iterator of prompt batches
 
 
-def _mode_overrides(mode: str, slots: int) -> list[str]:
-    return MODES[mode] + ([f"sampling.slots={slots}"] if mode == "after" else [])
+PACK_WIDTH_FACTOR = 2  # packed rows of 2 x (P + N) columns by default (`--pack-width-factor`)
+
+
+def _mode_overrides(mode: str, slots: int, width: int) -> list[str]:
+    return MODES[mode] + ([f"sampling.slots={slots}", f"train.pack_width={width}"] if mode == "after" else [])
 
 
 def testbed(mode: str, slots: int, cache: str | None) -> Workload:
-    over = _mode_overrides(mode, slots) + ([f"train.cache_dir={cache}"] if cache else [])
+    over = _mode_overrides(mode, slots, PACK_WIDTH_FACTOR * (64 + 32)) + ([f"train.cache_dir={cache}"] if cache else [])
     cfg = load_config(str(REPO / "configs/testbed.yaml"), over + ["mesh.data=1"])
     run, state = loop.build(cfg, log=lambda m: None)
     return Workload("testbed", run, state, train_iterator(cfg.data, run.tokenizer, kind="prompt"))
 
 
 def smollm2(mode: str, slots: int, cache: str | None) -> Workload:
-    over = _mode_overrides(mode, slots) + ([f"train.cache_dir={cache}"] if cache else [])
+    over = _mode_overrides(mode, slots, PACK_WIDTH_FACTOR * (56 + 28)) + ([f"train.cache_dir={cache}"] if cache else [])
     cfg = load_config(str(REPO / "configs/smollm2_arith.yaml"), over + ["mesh.data=1"])
     run, state = loop.build(cfg, log=lambda m: None)
     return Workload("smollm2", run, state, train_iterator(cfg.data, run.tokenizer, kind="prompt"))
@@ -89,7 +93,7 @@ def skewed(mode: str, slots: int, student_layers: int, batch: int) -> Workload:
     s_cfg = dataclasses.replace(t_cfg, num_layers=student_layers)
     V, P, N = t_cfg.vocab_size, 56, 256
     stop = list(range(V - V // 48, V))  # ~1/48 of a near-uniform distribution: a stop per ~48 tokens
-    cfg = load_config(None, _mode_overrides(mode, slots) + [
+    cfg = load_config(None, _mode_overrides(mode, slots, PACK_WIDTH_FACTOR * (P + N)) + [
         f"data.batch_size={batch}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
         "sampling.top_p=0.95", f"sampling.stop_token_ids={stop}", "train.mismatch=estimators", "mesh.data=1",
         "loss.kind=topk_rkl_tail", "loss.top_k=32", "optim.warmup_steps=0"])
@@ -130,34 +134,57 @@ def fractions(run, rollout, train_batch) -> dict:
             "lengths": lengths.tolist()}
 
 
-def measure(w: Workload, steps: int, warmup: int) -> dict:
-    st, state = w.run.step, w.state
-    times = {k: [] for k in STAGES}
-    fracs = []
-    for i in range(warmup + steps):
-        batch = next(w.batches)
-        with jax.set_mesh(st.mesh):
-            rollout, t_r = _blocked(st.rollout, state, batch, i)
-            tb, t_s = _blocked(st.score, w.run.teacher_params, rollout)
-            (state, _), t_u = _blocked(st.update, state, tb, w.run.teacher_params)
-        if i >= warmup:
-            for k, t in zip(STAGES, (t_r, t_s, t_u)):
-                times[k].append(t)
-            fracs.append(fractions(w.run, rollout, tb))
-    tokens = float(np.mean([f["response_tokens"] for f in fracs]))
-    t0 = time.perf_counter()
-    metrics = None
+def _compiled_shapes(st) -> int:
+    """Programs the step's jitted stages hold: it grows when a step meets a shape (a packed row bucket) anew."""
+    fns = [st.score_fn, st.update_fn] + list(st.sampler._programs.values())
+    return sum(f._cache_size() for f in fns)
+
+
+def _timed_step(w: Workload, state, i: int):
+    st = w.run.step
+    batch = next(w.batches)
+    before = _compiled_shapes(st)
     with jax.set_mesh(st.mesh):
-        for i in range(steps):
-            state, metrics, _ = st(state, w.run.teacher_params, next(w.batches), warmup + steps + i)
-    jax.block_until_ready((state, metrics))
-    step_s = (time.perf_counter() - t0) / steps
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    return {"stage_s": med, "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
-            "useful": {k: float(np.mean([f[k] for f in fracs])) for k in ("rollout", "forward", "head")},
-            "step_s": step_s, "step_tokens_per_s": tokens / step_s, "response_tokens_per_step": tokens,
-            "lengths": [f["lengths"] for f in fracs], "slots": st.sampler.engine(st.rollout_rows)[1],
-            "rows": st.rollout_rows}
+        rollout, t_r = _blocked(st.rollout, state, batch, i)
+        tb, t_s = _blocked(st.score, w.run.teacher_params, rollout)
+        (state, _), t_u = _blocked(st.update, state, tb, w.run.teacher_params)
+    return state, (t_r, t_s, t_u), fractions(w.run, rollout, tb) | {"compiled": _compiled_shapes(st) > before}
+
+
+def measure(workloads: dict[str, Workload], steps: int, warmup: int) -> dict:
+    """Blocked stages, the modes' steps interleaved (this shared machine's drift hits both alike); a step that
+    compiled a program (a new packed shape) is left out of the stage medians and counted; then the full step of
+    each mode, dispatched as the loop runs it."""
+    states = {m: w.state for m, w in workloads.items()}
+    times = {m: {k: [] for k in STAGES} for m in workloads}
+    fracs = {m: [] for m in workloads}
+    for i in range(warmup + steps):
+        for m, w in workloads.items():
+            states[m], t, f = _timed_step(w, states[m], i)
+            if i >= warmup:
+                for k, v in zip(STAGES, t):
+                    times[m][k].append(v)
+                fracs[m].append(f)
+    out = {}
+    for m, w in workloads.items():
+        st, state = w.run.step, states[m]
+        tokens = float(np.mean([f["response_tokens"] for f in fracs[m]]))
+        t0 = time.perf_counter()
+        metrics = None
+        with jax.set_mesh(st.mesh):
+            for i in range(steps):
+                state, metrics, _ = st(state, w.run.teacher_params, next(w.batches), warmup + steps + i)
+        jax.block_until_ready((state, metrics))
+        step_s = (time.perf_counter() - t0) / steps
+        warm = [j for j, f in enumerate(fracs[m]) if not f["compiled"]] or list(range(len(fracs[m])))
+        med = {k: float(np.median([v[j] for j in warm])) for k, v in times[m].items()}
+        out[m] = {"stage_s": med, "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
+                  "useful": {k: float(np.mean([f[k] for f in fracs[m]])) for k in ("rollout", "forward", "head")},
+                  "step_s": step_s, "step_tokens_per_s": tokens / step_s, "response_tokens_per_step": tokens,
+                  "lengths": [f["lengths"] for f in fracs[m]], "slots": st.sampler.engine(st.rollout_rows)[1],
+                  "rows": st.rollout_rows, "compiling_steps": sum(f["compiled"] for f in fracs[m]),
+                  "programs": _compiled_shapes(st)}
+    return out
 
 
 def print_table(results: dict) -> None:
@@ -214,10 +241,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cache", default=None, help="model cache (default: $JOPD_CACHE or ~/.cache/jopd)")
+    ap.add_argument("--pack-width-factor", type=int, default=2,
+                    help="'after' packs into rows of this many times P + N columns")
     ap.add_argument("--skewed-student-layers", type=int, default=12)
     ap.add_argument("--skewed-batch", type=int, default=16)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results"))
     args = ap.parse_args()
+    global PACK_WIDTH_FACTOR
+    PACK_WIDTH_FACTOR = args.pack_width_factor
     builders = {"testbed": (lambda mode, s: testbed(mode, s, args.cache), 32),
                 "smollm2": (lambda mode, s: smollm2(mode, s, args.cache), 8),
                 "skewed": (lambda mode, s: skewed(mode, s, args.skewed_student_layers, args.skewed_batch),
@@ -226,10 +257,9 @@ def main() -> int:
     for name in args.workloads.split(","):
         build, rows = builders[name]
         slots = rows // 2 if args.slots == "auto" else int(args.slots)
-        results[name] = {}
-        for mode in ("before", "after"):
-            print(f"[{name} / {mode}] building and measuring ...", file=sys.stderr)
-            results[name][mode] = measure(build(mode, slots), args.steps, args.warmup)
+        print(f"[{name}] building both modes, measuring them step by step ...", file=sys.stderr)
+        results[name] = measure({mode: build(mode, slots) for mode in ("before", "after")}, args.steps,
+                                args.warmup)
         print_table({name: results[name]})
     print()
     print_table(results)
