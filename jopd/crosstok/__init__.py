@@ -8,7 +8,7 @@
 - `project`: the teacher's next-token distribution projected onto the student's support at a span start (JAX),
   for the truncated reverse KL with a tail.
 
-Pure functions; the OPD step does not use them yet.
+Pure functions; the OPD step uses them through `jopd.opd.cross_teacher` (docs/cross_tokenizer.md).
 """
 
 from jopd.crosstok.align import Alignment, Misaligned, Pair, PairError, align_response, check_pair, common_spans

@@ -35,20 +35,33 @@ def _none(cfg, logits, inp):
     return {}
 
 
+def _in_span(batch, mask):
+    return mask & (batch.span_id_BxT < batch.span_mask_BxT.shape[1])
+
+
+def _at_span_start(batch, mask):
+    return mask & batch.dense_mask_BxT
+
+
+def _response_frac(mask, batch):
+    return jnp.sum(mask) / jnp.maximum(jnp.sum(batch.response_mask_BxT), 1)
+
+
 def _sampled_reduce(cfg, logp, terms, batch, mask, weights):
-    """Span-level policy gradient: each student token of span k has the advantage -(s_k), s_k the span signal."""
+    """Span-level policy gradient: each student token of span k has the advantage -(s_k), s_k the span signal.
+    `mask` holds the aligned positions only (`_in_span`)."""
     logp_sg = jax.lax.stop_gradient(logp)
     K = batch.span_mask_BxT.shape[1]
-    in_span = mask & (batch.span_id_BxT < K)
+    in_span = mask
     student = _span_sums(jnp.where(in_span, logp_sg, 0.0), jnp.where(in_span, batch.span_id_BxT, K), K)
     signal = jnp.where(batch.span_mask_BxT, student - batch.span_teacher_logprobs_BxT.astype(jnp.float32), 0.0)
     padded = jnp.concatenate([signal, jnp.zeros_like(signal[:, :1])], axis=1)
     adv = -jnp.take_along_axis(padded, jnp.where(in_span, batch.span_id_BxT, K), axis=1)
     tokens = jnp.maximum(jnp.sum(in_span), 1).astype(jnp.float32)
-    # num_tokens: the tokens with a signal (the degenerate-run guard stops a run whose rollouts never align)
+    # num_tokens (the shared reduction's) counts the aligned tokens: the degenerate-run guard stops a run whose
+    # rollouts never align
     metrics = {"divergence": jnp.sum(signal) / tokens, "advantage_mean": masked_mean(adv, in_span),
-               "num_tokens": jnp.sum(in_span).astype(jnp.float32),
-               "aligned_token_frac": jnp.sum(in_span) / jnp.maximum(jnp.sum(mask), 1)}
+               "aligned_token_frac": _response_frac(in_span, batch)}
     return policy_gradient_surrogate(logp, jnp.where(in_span, adv, 0.0)), weights, metrics
 
 
@@ -59,16 +72,17 @@ def _dense_terms(cfg, logits, inp):
 
 
 def _dense_reduce(cfg, logp, terms, batch, mask, weights):
-    """The truncated reverse KL with a tail, at the span starts only."""
-    at_start = mask & batch.dense_mask_BxT
+    """The truncated reverse KL with a tail, at the span starts only (`mask` holds them: `_at_span_start`)."""
+    at_start = mask
     per_position = jnp.where(at_start, terms["divergence"], 0.0)
     metrics = {"divergence": masked_mean(jax.lax.stop_gradient(terms["divergence"]), at_start),
                "topk_mass": masked_mean(terms["topk_mass"], at_start),
-               "num_tokens": jnp.sum(at_start).astype(jnp.float32),  # positions with a signal (the guard's)
-               "dense_position_frac": jnp.sum(at_start) / jnp.maximum(jnp.sum(mask), 1)}
+               "dense_position_frac": _response_frac(at_start, batch)}
     return per_position, weights, metrics
 
 
-OBJECTIVES.add("xtok_sampled", Objective((), _SPANS + ("span_teacher_logprobs_BxT",), _none, _sampled_reduce))
+OBJECTIVES.add("xtok_sampled", Objective((), _SPANS + ("span_teacher_logprobs_BxT",), _none, _sampled_reduce,
+                                         signal_mask=_in_span))
 OBJECTIVES.add("xtok_dense", Objective(("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK", "support_mask_BxTxK"),
-                                       ("dense_mask_BxT",), _dense_terms, _dense_reduce, student_support=True))
+                                       ("dense_mask_BxT",), _dense_terms, _dense_reduce, student_support=True,
+                                       signal_mask=_at_span_start))

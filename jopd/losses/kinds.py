@@ -31,6 +31,8 @@ Reduce = Callable[["LossConfig", jax.Array, Mapping[str, jax.Array], "LossBatch"
                   tuple[jax.Array, jax.Array, Metrics]]
 # (rewards [B] of this process's rollouts, the run's rl settings, the running baseline or None) -> advantages [B]
 Advantages = Callable[[Any, "RLConfig", "float | None"], Any]
+# (the batch, the loss mask [B, T]) -> the positions with the kind's signal (a subset of the mask)
+SignalMask = Callable[["LossBatch", jax.Array], jax.Array]
 
 
 def divergence_reduce(cfg, logp, terms, batch, mask, weights):
@@ -56,7 +58,10 @@ class Objective:
     `rl.baseline` values it honours; `reads_reference`: with `loss.kl_coef > 0` it reads the frozen starting
     student's log-probs (`reference_logprobs_BxT`). `reads_teacher_head`: the step hands the teacher's LM head
     to the loss (`inputs["teacher_head"]` in every chunk), e.g. to project `teacher_hidden_BxTxD` to the
-    teacher's logits one chunk at a time (the full-vocabulary kinds: no [B, N, V] teacher tensor exists)."""
+    teacher's logits one chunk at a time (the full-vocabulary kinds: no [B, N, V] teacher tensor exists).
+    `signal_mask`: the positions that carry the kind's signal, when fewer than the loss mask's (the
+    cross-tokenizer kinds: aligned ones); the loss, its normalization and every metric then count only them, so
+    rows without a signal neither add to nor dilute the step."""
 
     chunk_fields: tuple[str, ...]
     after_fields: tuple[str, ...]
@@ -70,6 +75,7 @@ class Objective:
     reads_reference: bool = False
     reads_teacher_head: bool = False  # per chunk, `inputs["teacher_head"]`: the teacher's LM head (no gradient)
     student_support: bool = False  # the sampler hands over the student's top-K ids per step (its support)
+    signal_mask: SignalMask | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:

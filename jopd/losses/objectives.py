@@ -132,6 +132,9 @@ def check_batch(cfg: LossConfig, batch: LossBatch, vocab: int | None = None, tea
 def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -> tuple[jax.Array, Metrics]:
     """Per-position terms [B, T] -> (scalar loss, metrics); masks, IS weights and normalization live here."""
     mask = loss_mask(batch.response_mask_BxT, batch.targets_BxT, cfg.special_token_ids, cfg.template_token_ids)
+    objective = OBJECTIVES[cfg.kind]
+    if objective.signal_mask is not None:
+        mask = objective.signal_mask(batch, mask)
     n_tokens = jnp.sum(mask).astype(jnp.float32)
     denom = batch.token_normalizer
     if denom is not None:
@@ -153,7 +156,7 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -
         metrics |= is_metrics(ratio, weights, mask, cfg.is_mode, **kw)
         metrics |= {f"mismatch_{k}": v for k, v in mismatch_estimators(sampler, logp_sg, mask).items()}
 
-    per_position, weights, kind_metrics = OBJECTIVES[cfg.kind].reduce(cfg, logp, terms, batch, mask, weights)
+    per_position, weights, kind_metrics = objective.reduce(cfg, logp, terms, batch, mask, weights)
     metrics |= kind_metrics
     teacher_lp = batch.teacher_target_logprobs_BxT
     if teacher_lp is not None:  # sampled estimate (k1) of KL(student || teacher) on the rollouts

@@ -9,7 +9,7 @@ sequence and its scores are brought to the student's response layout:
 - **dense**: at the start of each aligned span (where both sides sit at a token boundary after the same text),
   the teacher's next-token distribution projected onto the student's top-K support (`crosstok.project`), for the
   truncated reverse KL with a tail of `xtok_dense` at those positions. Exact for a character-level student at a
-  teacher token boundary; a lower bound of the teacher's next-text probability elsewhere (docs/extending.md).
+  teacher token boundary; a lower bound of the teacher's next-text probability elsewhere (docs/cross_tokenizer.md).
 
 A rollout the pair cannot align (a special token mid-response, a character the teacher cannot encode, more tokens
 than the layout holds) gets no spans: it adds nothing to the loss, and it is counted (`xtok_misaligned_frac`,

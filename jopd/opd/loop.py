@@ -96,6 +96,9 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
     if cfg.train.probe_every and probe_hook is None:
         raise ValueError("RunConfig.train.probe_every: needs the probe hook (train(cfg, probe_hook=...); `jopd "
                          "train` passes jopd.lab.probe.training_probe)")
+    if cfg.train.probe_every and cfg.loss.cross_tokenizer != "off":
+        raise ValueError(f"RunConfig.train.probe_every: the probe feeds the teacher the student's token ids; not "
+                         f"with loss.cross_tokenizer={cfg.loss.cross_tokenizer}")
     out_dir = Path(cfg.train.out_dir)
     try:  # an output directory that cannot be written fails now, before any compute
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -135,13 +135,19 @@ def test_a_pair_that_cannot_align_is_refused_before_any_compute(tmp_path):
         build_step(load_config(None, BASE + ["loss.cross_tokenizer=dense", "loss.kind=rkl"]), None, None, None)
     with pytest.raises(ValueError, match=r"vocab mismatch: .* set loss.cross_tokenizer"):
         model_sources.check_compatible(T.ModelConfig(vocab_size=10), T.ModelConfig(vocab_size=12), None, None)
+    out = tmp_path / "probed"
+    with pytest.raises(ValueError, match=r"probe_every: the probe feeds the teacher the student.s token ids"):
+        train(load_config(None, BASE + ["loss.cross_tokenizer=sampled", "train.probe_every=2",
+                                        f"train.out_dir={out}"]), probe_hook=lambda run: None)
+    assert not out.exists()  # nothing written
 
 
 @pytest.mark.parametrize("mode", ["sampled", "dense"])
 def test_cross_tokenizer_runs_end_to_end_and_counts_what_it_cannot_align(tmp_path, mode):
-    teacher = TINY["teacher"] | {"tokenizer": str(io.smollm2_gguf_path())}
+    # a briefly fine-tuned teacher (its quality is not under test: every step's 49152-way head costs)
+    teacher = TINY["teacher"] | {"tokenizer": str(io.smollm2_gguf_path()), "warm_start": {"steps": 4, "batch_size": 8}}
     path = write_tiny(tmp_path / "tiny.yaml", teacher=teacher, loss={"top_k": 8, "cross_tokenizer": mode},
-                      train={"steps": 3})
+                      train={"steps": 3, "eval_problems": 8})
     out = tmp_path / "run"
     summary = train(load_config(str(path), [f"train.out_dir={out}", f"train.cache_dir={tiny_cache()}"]),
                     log=lambda *a: None)
@@ -151,4 +157,4 @@ def test_cross_tokenizer_runs_end_to_end_and_counts_what_it_cannot_align(tmp_pat
     assert all(0.0 <= m["xtok_misaligned_frac"] <= 1.0 for m in steps)
     assert all(m["num_tokens"] > 0 for m in steps)  # positions with a signal
     after = summary["after"]
-    assert math.isfinite(after["teacher_divergence"]) and after["num_problems"] == TINY["train"]["eval_problems"]
+    assert math.isfinite(after["teacher_divergence"]) and after["num_problems"] == 8
