@@ -82,6 +82,12 @@ class LossConfig:
     def extra_support(self) -> bool:
         return self.support != "teacher_topk" or self.support_sampled
 
+    @pydantic.field_validator("cross_tokenizer", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        # YAML reads a bare `off` (a config file, or `loss.cross_tokenizer=off` on the command line) as false
+        return "off" if value is False else value
+
     @pydantic.field_validator("icepop_high")
     @classmethod
     def _high_above_low(cls, high: float, info: pydantic.ValidationInfo) -> float:

@@ -131,6 +131,7 @@ def test_a_pair_that_cannot_align_is_refused_before_any_compute(tmp_path):
             f"student.tokenizer={io.smollm2_gguf_path()}", "loss.cross_tokenizer=sampled"]))
     with pytest.raises(ConfigError, match=r"^RunConfig.loss.cross_tokenizer: Input should be 'off', 'sampled' or "):
         load_config(None, ["loss.cross_tokenizer=yes"])
+    assert load_config(None, ["loss.cross_tokenizer=off"]).loss.cross_tokenizer == "off"  # YAML's `off` is false
     with pytest.raises(ValueError, match=r"loss.cross_tokenizer=dense: runs xtok_dense .* got loss.kind=rkl"):
         build_step(load_config(None, BASE + ["loss.cross_tokenizer=dense", "loss.kind=rkl"]), None, None, None)
     with pytest.raises(ValueError, match=r"vocab mismatch: .* set loss.cross_tokenizer"):

@@ -21,9 +21,9 @@ from jopd.parallel import mesh as M
 from jopd.sampling.sampler import SampleOutput
 from tests.helpers.tiny_params import numpy_params
 
-STUDENT = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+STUDENT = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                       head_dim=8, tie_word_embeddings=False)
-TEACHER = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+TEACHER = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
                       head_dim=12)
 B, P, N, K = 8, 12, 16, 8
 
