@@ -80,8 +80,10 @@ def testbed(mode: str, slots: int, cache: str | None) -> Workload:
     return Workload("testbed", run, state, train_iterator(cfg.data, run.tokenizer, kind="prompt"))
 
 
-def smollm2(mode: str, slots: int, cache: str | None) -> Workload:
+def smollm2(mode: str, slots: int, cache: str | None, untuned: bool = False) -> Workload:
     over = _mode_overrides(mode, slots, PACK_WIDTH_FACTOR * (56 + 28)) + ([f"train.cache_dir={cache}"] if cache else [])
+    if untuned:  # SmolLM2-135M-Instruct as shipped (no fine-tunes to make): its answers run longer
+        over += ["teacher.warm_start.steps=0", "student.warm_start.steps=0"]
     cfg = load_config(str(REPO / "configs/smollm2_arith.yaml"), over + ["mesh.data=1"])
     run, state = loop.build(cfg, log=lambda m: None)
     return Workload("smollm2", run, state, train_iterator(cfg.data, run.tokenizer, kind="prompt"))
@@ -243,6 +245,8 @@ def main() -> int:
     ap.add_argument("--cache", default=None, help="model cache (default: $JOPD_CACHE or ~/.cache/jopd)")
     ap.add_argument("--pack-width-factor", type=int, default=2,
                     help="'after' packs into rows of this many times P + N columns")
+    ap.add_argument("--smollm2-untuned", action="store_true",
+                    help="smollm2: the shipped SmolLM2 weights, no fine-tunes (none to make or cache)")
     ap.add_argument("--skewed-student-layers", type=int, default=12)
     ap.add_argument("--skewed-batch", type=int, default=16)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results"))
@@ -250,7 +254,7 @@ def main() -> int:
     global PACK_WIDTH_FACTOR
     PACK_WIDTH_FACTOR = args.pack_width_factor
     builders = {"testbed": (lambda mode, s: testbed(mode, s, args.cache), 32),
-                "smollm2": (lambda mode, s: smollm2(mode, s, args.cache), 8),
+                "smollm2": (lambda mode, s: smollm2(mode, s, args.cache, args.smollm2_untuned), 8),
                 "skewed": (lambda mode, s: skewed(mode, s, args.skewed_student_layers, args.skewed_batch),
                            args.skewed_batch)}
     results = {}

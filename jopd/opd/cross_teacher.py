@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any
 
 import flax.struct
 import jax

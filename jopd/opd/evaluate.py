@@ -130,7 +130,7 @@ def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cf
             break
         prompts = [list(p[m.astype(bool)]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
         out = sampler.generate(student_params, prompts, seed=seed, first_index=int(batch["index"][0]))
-        P, N = batch["prompt_tokens"].shape[1], out.tokens_BxN.shape[1]
+        N = out.tokens_BxN.shape[1]
         tokens = np.concatenate([batch["prompt_tokens"], out.tokens_BxN], axis=1)
         resp_mask = out.response_mask_BxN
         attn = np.concatenate([batch["prompt_mask"].astype(bool), resp_mask], axis=1)

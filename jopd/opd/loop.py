@@ -171,7 +171,8 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
             log(f"warning: {warning}")
         if step % cfg.train.log_every == 0 or step == cfg.train.steps or reason:
             writer.write(step, loggable(m))
-        bar.set_postfix(loss=f"{m.get('loss', float('nan')):.4f}", kl=f"{m.get('teacher_kl_k1', float('nan')):.3f}")
+        kl = m.get("teacher_kl_k1", m.get("divergence", float("nan")))  # cross-tokenizer kinds: no k1, their own
+        bar.set_postfix(loss=f"{m.get('loss', float('nan')):.4f}", kl=f"{kl:.3f}")
         if reason:
             reason += f" (problems {batch['index'].tolist()})"
         return reason

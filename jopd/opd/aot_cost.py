@@ -1,0 +1,288 @@
+"""The step on paper for `jopd aot --topology` (`jopd.opd.roofline`): loop-free cost programs whose XLA cost
+analysis, times their runs, is each looped stage's (XLA counts a loop body once), and the prediction built from
+them: per stage FLOPs and bytes per device, the roofline time on the chip's peaks, the step time, rollout
+tokens/s per chip and MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from jopd.models import transformer
+from jopd.models.config import ModelConfig
+from jopd import parallel as meshlib
+from jopd.opd.aot import StageReport, StepInputs, _abstract, _cache, _compile, step_inputs
+from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_notes, model_flops
+from jopd.opd.run_config import RunConfig
+from jopd.opd.step import OPDStep, build_step
+from jopd.sampling.sampler import choose_tokens, step_logits
+from jopd.sampling.slots import slot_iterations
+
+
+# ---------------------------------------------------------------------------------------------
+# cost programs: loop-free, so that XLA's cost analysis (a loop body counted once) sees all the work
+
+
+@dataclasses.dataclass(frozen=True)
+class CostProgram:
+    """A loop-free program run `count` times per step. With `minus`: a loop body, whose cost is `scale` x (cost of
+    `lower` - cost of `minus`), two programs that differ only by the body's size."""
+
+    name: str
+    count: int
+    lower: Callable[[], Any]
+    minus: Callable[[], Any] | None = None
+    scale: float = 1.0
+
+
+def cost_programs(step: OPDStep, ins: StepInputs) -> dict[str, list[CostProgram]]:
+    """The programs whose cost, times their runs, is each looped stage's: the rollout as one prefill and one decode
+    step (every row at the full cache length; the static engine's worst case: every row decodes max_new_tokens,
+    i.e. max_new_tokens - 1 steps after the prefill's token); teacher scoring and the train step with the layers
+    unrolled (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other
+    chunks' from one-layer steps (`_chunk_programs`: a single chunk of every position may not fit the device).
+    The weight sync has no loop: its own program is its cost program."""
+    cfg = step.cfg
+    flat = build_step(_cost_config(cfg, cfg.loss.chunk_size), step.student_cfg, step.teacher_cfg, step.mesh)
+    score = jax.jit(_unjitted(flat.score_fn), out_shardings=step.shardings.batch)
+    state = _unstacked(ins.state)
+    update = jax.jit(_unjitted(flat.update_fn), out_shardings=(_shardings_of(state), None), donate_argnums=0)
+    teacher, reference = _unstacked(ins.teacher), _unstacked(ins.reference)
+    updates = cfg.rl.inner_updates
+    programs = {
+        "sample": _rollout_programs(step, ins),
+        "teacher_scoring": [CostProgram("forward", 1, lambda: score.lower(teacher, ins.rollout, *reference))],
+        "train_step": [CostProgram("update", updates, lambda: update.lower(state, ins.batch, *ins.head))],
+    }
+    for name, program in _chunk_programs(step).items():
+        programs[name].append(dataclasses.replace(program, count=program.count * (updates if name == "train_step"
+                                                                                  else 1)))
+    return programs
+
+
+def _cost_config(cfg: RunConfig, chunk_size: int) -> RunConfig:
+    # one optimizer batch: the cost programs hold no gradient-accumulation loop
+    return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, chunk_size=chunk_size),
+                               optim=dataclasses.replace(cfg.optim, grad_accum_steps=1))
+
+
+def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
+    """The loss chunk loop's body (scoring: the teacher's head and top-K per chunk; update: the student's head,
+    loss and their gradient per chunk), `chunks - 1` more times than the looped programs count it: from one-layer
+    steps at chunk sizes c and c' (the body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c')))."""
+    cfg, N = step.cfg, step.cfg.sampling.max_new_tokens
+    c = min(cfg.loss.chunk_size, N)
+    chunks = -(-N // c)
+    if chunks == 1:
+        return {}
+    c2 = c // 2 if c > 1 else 2
+    one_layer = lambda m: dataclasses.replace(m, num_layers=1)  # noqa: E731
+    at = {k: build_step(_cost_config(cfg, k), one_layer(step.student_cfg), one_layer(step.teacher_cfg), step.mesh)
+          for k in (c, c2)}
+    ins = step_inputs(at[c])
+    score = lambda k: lambda: at[k].score_fn.lower(ins.teacher, ins.rollout, *ins.reference)  # noqa: E731
+    update = lambda k: lambda: at[k].update_fn.lower(ins.state, ins.batch, *ins.head)  # noqa: E731
+    scale = c / (c - c2)
+    return {"teacher_scoring": CostProgram("chunk", chunks - 1, score(c), score(c2), scale),
+            "train_step": CostProgram("loss chunk", chunks - 1, update(c), update(c2), scale)}
+
+
+def _unjitted(fn):
+    """The Python function a `jax.jit` wraps (jit keeps it as `__wrapped__`), to jit it again with other shardings."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        raise TypeError(f"cost programs: {fn!r} is not a jax.jit-wrapped function")
+    return inner
+
+
+def _shardings_of(tree):
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _unstacked(tree):
+    """`tree` with every params dict (one with a stacked `layers` dict: the params, Adam's moments) split into
+    per-layer dicts, each leaf keeping its stacked leaf's sharding minus the layers dim: the forward then runs
+    its layers as an unrolled loop instead of a `lax.scan`."""
+    is_params = lambda x: isinstance(x, dict) and isinstance(x.get("layers"), dict)  # noqa: E731
+
+    def unstack(params):
+        if not is_params(params):  # another leaf (an optimizer count, the step, the key)
+            return params
+        n = jax.tree.leaves(params["layers"])[0].shape[0]
+        shardings = meshlib.unstacked_layer_shardings(_shardings_of(params), n)
+        return _abstract(jax.eval_shape(transformer.unstack_layers, params), shardings)
+
+    return jax.tree.map(unstack, tree, is_leaf=is_params)
+
+
+def _token_choice(step: OPDStep, logits_BxV, u_B, noise_Bx2, t):
+    """The sampler's work per token after the forward (what `sampler.sample_padded`'s pick computes): noise and
+    temperature, the choice, its log-probs, and what the rollout keeps per token."""
+    sampling, precision = step.sampler.sampling, step.sampler.precision
+    scaled = step_logits(logits_BxV, noise_Bx2, t, precision, sampling.temperature)
+    lse = jax.nn.logsumexp(scaled, axis=1)
+    tok, logp = choose_tokens(scaled, u_B, sampling, lse)
+    out = {"tok": tok, "logp": logp, "ulogp": jnp.take_along_axis(scaled, tok[:, None], axis=1)[:, 0] - lse}
+    if sampling.return_full_logprobs:
+        out["full"] = scaled - lse[:, None]
+    if sampling.return_topk:
+        out["topk"] = jax.lax.top_k(scaled, sampling.return_topk)[1]
+    return out
+
+
+def _prefill(step: OPDStep, params, prompt_BxP, mask_BxP, u_B, noise_Bx2, cache):
+    """The prompts into the KV cache (attending over its full length, as the sampler does) and token 0 chosen."""
+    precision, N = step.sampler.precision, step.cfg.sampling.max_new_tokens
+    kv_mask = jnp.concatenate([mask_BxP, jnp.ones((mask_BxP.shape[0], N), bool)], axis=1)
+    hidden, cache = transformer.forward(params, prompt_BxP, cfg=step.student_cfg, attn_mask_BxT=mask_BxP,
+                                        positions_BxT=transformer.positions_from_mask(mask_BxP), cache=cache,
+                                        cache_index=0, kv_mask_BxS=kv_mask, dtype=precision.dtype,
+                                        logits_dtype=precision.logits_jnp_dtype, return_hidden=True)
+    logits = transformer.logits_from_hidden(params, hidden[:, -1:], dtype=precision.dtype,
+                                            logits_dtype=precision.logits_jnp_dtype)[:, 0]
+    return _token_choice(step, logits, u_B, noise_Bx2, jnp.zeros((), jnp.int32)) | {"cache": cache}
+
+
+def _decode(step: OPDStep, params, tok_B, cache, kv_mask_BxS, positions_B, cache_index, u_B, noise_Bx2, t):
+    """One decode step: every row's last token through the model against the whole cache, the next token chosen."""
+    precision = step.sampler.precision
+    logits, cache = transformer.forward(params, tok_B[:, None], cfg=step.student_cfg, cache=cache,
+                                        cache_index=cache_index, positions_BxT=positions_B[:, None],
+                                        kv_mask_BxS=kv_mask_BxS, dtype=precision.dtype,
+                                        logits_dtype=precision.logits_jnp_dtype)
+    return _token_choice(step, logits[:, 0], u_B, noise_Bx2, t) | {"cache": cache}
+
+
+def _rollout_programs(step: OPDStep, ins: StepInputs) -> list[CostProgram]:
+    """The prefill (U prompts) and the decode step (one row per slot) with the sampler's shardings, and how many
+    decode steps the engine runs when every row decodes max_new_tokens (`slots.slot_iterations`)."""
+    cfg, sh = step.cfg, step.shardings
+    rows, S = step.rollout_rows, ins.slots
+    U = rows // step.prefill_group
+    Pl, N = cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    sds, b = jax.ShapeDtypeStruct, sh.batch
+    per_row = lambda n, dtype, *tail: sds((n, *tail), dtype, sharding=b)  # noqa: E731
+    # the static engine writes every row at one slot index (a scalar); the slot engine's rows are at their own steps
+    scalar = sds((), jnp.int32, sharding=NamedSharding(step.mesh, PartitionSpec()))
+    index = scalar if ins.engine == 0 else per_row(S, jnp.int32)
+    prefill_cache = ins.cache if ins.engine == 0 else _cache(step, U)
+    token_out = {k: b for k in _token_keys(step)}
+    prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=5,
+                      out_shardings=token_out | {"cache": _shardings_of(prefill_cache)})
+    decode = jax.jit(functools.partial(_decode, step), donate_argnums=2,
+                     out_shardings=token_out | {"cache": _shardings_of(ins.cache)})
+    steps = slot_iterations(np.full(rows, N), S, step.sampler.shards) if ins.engine else N - 1
+    return [
+        CostProgram("prefill", 1, lambda: prefill.lower(ins.sampler_params, *ins.unique, per_row(U, jnp.float32),
+                                                        per_row(U, jnp.uint32, 2), prefill_cache)),
+        CostProgram("decode", steps, lambda: decode.lower(ins.sampler_params, per_row(S, jnp.int32), ins.cache,
+                                                          per_row(S, jnp.bool_, Pl + N), per_row(S, jnp.int32),
+                                                          index, per_row(S, jnp.float32), per_row(S, jnp.uint32, 2),
+                                                          index)),
+    ]
+
+
+def _token_keys(step: OPDStep) -> tuple[str, ...]:
+    sampling = step.sampler.sampling
+    return ("tok", "logp", "ulogp") + (("full",) if sampling.return_full_logprobs else ()) + (
+        ("topk",) if sampling.return_topk else ())
+
+
+# ---------------------------------------------------------------------------------------------
+# the prediction
+
+
+def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport], chip: str, num_devices: int,
+                 per_chip: int = 1, progress: bool = False) -> Roofline:
+    """Compile the cost programs of the reported stages and predict the step on `chip` (`roofline.Roofline`); the
+    weight sync's cost is its own (loop-free) program's, from `reports`."""
+    t0 = time.perf_counter()
+    programs = cost_programs(step, ins)
+    options = _cost_options(step.mesh)
+    stages = []
+    bar = tqdm(reports, desc="cost programs", disable=not progress, dynamic_ncols=True, leave=False)
+    for report in bar:
+        bar.set_postfix_str(report.name)
+        if report.name not in programs:
+            stages.append(StageCost(report.name, (Part(report.name, 1, report.cost, 0.0, report.error),)))
+            continue
+        stages.append(StageCost(report.name, tuple(_cost_part(step.mesh, p, num_devices, options)
+                                                  for p in programs[report.name])))
+    notes = _notes(step, stages, options)
+    return Roofline(chip=chip, peak=CHIP_PEAKS[chip], num_devices=num_devices, devices_per_chip=per_chip,
+                    stages=stages, rollout_tokens=step.rollout_rows * step.cfg.sampling.max_new_tokens,
+                    model_flops=step_model_flops(step), compile_s=time.perf_counter() - t0, notes=notes)
+
+
+# XLA's TPU compiler turns an FSDP all-gather (reduce-scatter) and its matmul into a loop over the shards (a
+# windowed einsum), whose body its cost analysis counts once: the cost programs compile without it.
+TPU_COST_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+
+
+def _cost_options(mesh) -> dict[str, Any] | None:
+    return TPU_COST_OPTIONS if mesh.devices.flat[0].platform == "tpu" else None
+
+
+def _cost_part(mesh, program: CostProgram, num_devices: int, options) -> Part:
+    t0 = time.perf_counter()
+    costs, error = [], None
+    for lower in (program.lower, program.minus):
+        if lower is None:
+            continue
+        with jax.set_mesh(mesh):
+            lowered = lower()
+            compiled, _, error = _compile(program.name, lambda: lowered, options)
+        if compiled is None:
+            break
+        costs.append(Cost.of(compiled, lowered.as_text(), num_devices))
+    cost = None if error else costs[0] if program.minus is None else costs[0].minus(costs[1], program.scale)
+    return Part(program.name, program.count, cost, time.perf_counter() - t0, error, program.minus is not None)
+
+
+def _layer_and_head_params(cfg: ModelConfig) -> tuple[int, int]:
+    layers = transformer.abstract_params(cfg)["layers"]
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(layers)), cfg.hidden_size * cfg.vocab_size
+
+
+def step_model_flops(step: OPDStep) -> dict[str, float]:
+    """The step's model FLOPs by stage (`roofline.model_flops`), every row at its full prompt and response length:
+    the rollout's prefill and decode forwards, the teacher's (and the KL reference's) forward over prompt +
+    response, the update's forward + backward; the LM head at the positions projected to logits (the response's)."""
+    cfg = step.cfg
+    B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    U = B // step.prefill_group
+    student, teacher = _layer_and_head_params(step.student_cfg), _layer_and_head_params(step.teacher_cfg)
+    scoring = model_flops(*teacher, B * (Pl + N), B * N, 2)
+    if step.uses_reference:
+        scoring += model_flops(*student, B * (Pl + N), B * N, 2)
+    return {"weight_sync": 0.0, "sample": model_flops(*student, U * Pl + B * (N - 1), B * N, 2),
+            "teacher_scoring": scoring,
+            "train_step": cfg.rl.inner_updates * model_flops(*student, B * (Pl + N), B * N, 6)}
+
+
+def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
+    cfg = step.cfg
+    notes = ["not modeled: collectives' ICI time, host work and dispatch, the loops' control, overlap of stages, "
+             "compiler efficiency (each program at 100% of the bound that binds: a lower bound on time)"]
+    if options:
+        notes.append("cost programs compiled without XLA's windowed einsum (FSDP all-gather/reduce-scatter looped "
+                     "with the matmul): the same FLOPs, the collectives' overlap with the matmuls not modeled")
+    if any(s.total("extra_pass_flops") for s in stages):
+        notes.append("+passes: fp32 matmuls at Precision.HIGHEST run 6 bf16 MXU passes (HIGH: 3); XLA counts one")
+    if step.sampler.engine(step.rollout_rows, step.prefill_group)[0]:
+        notes.append("sample: the slot engine's refills (prompt KV copied into a slot) are not counted")
+    if cfg.optim.grad_accum_steps > 1:
+        notes.append(f"train_step: costed as one batch; the weights' reads per micro-batch "
+                     f"(optim.grad_accum_steps={cfg.optim.grad_accum_steps}) are counted once")
+    return notes + loop_notes(stages)
