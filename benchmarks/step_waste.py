@@ -15,8 +15,9 @@ comes from the prefill); forward = real prompt + response tokens / the rows x co
 student's forwards run (padded: B x (P + N); packed: the packed rows); head = response tokens / the positions
 the LM head, the teacher's top-K and the loss's per-position terms run on (padded: B x N; packed: the compact
 rows). Stage times are medians of `--steps` blocked steps after `--warmup` (packed shapes compile per row
-bucket), the two modes' steps interleaved so that the shared machine's drift hits both; the full step is
-`--steps` steps dispatched as the loop runs them, blocked once.
+bucket), the two modes' steps interleaved so that the shared machine's drift hits both; the full step is the median of
+`--steps` whole steps (rollout, scoring, update dispatched as the loop does, blocked at the end of each) that
+compiled nothing.
 
     PYTHONPATH=. python benchmarks/step_waste.py [--workloads testbed,smollm2,skewed] [--slots auto]
 Writes step_waste.json / .png under --out (default benchmarks/results/).
@@ -156,7 +157,7 @@ def _timed_step(w: Workload, state, i: int):
 def measure(workloads: dict[str, Workload], steps: int, warmup: int) -> dict:
     """Blocked stages, the modes' steps interleaved (this shared machine's drift hits both alike); a step that
     compiled a program (a new packed shape) is left out of the stage medians and counted; then the full step of
-    each mode, dispatched as the loop runs it."""
+    each mode, dispatched as the loop runs it (steps that compiled left out too)."""
     states = {m: w.state for m, w in workloads.items()}
     times = {m: {k: [] for k in STAGES} for m in workloads}
     fracs = {m: [] for m in workloads}
@@ -171,13 +172,18 @@ def measure(workloads: dict[str, Workload], steps: int, warmup: int) -> dict:
     for m, w in workloads.items():
         st, state = w.run.step, states[m]
         tokens = float(np.mean([f["response_tokens"] for f in fracs[m]]))
-        t0 = time.perf_counter()
-        metrics = None
+        # full steps, each blocked; one that compiled a program (a packed row count met anew) is left out, up to
+        # 3 x `steps` tries
+        full, i = [], warmup + steps
         with jax.set_mesh(st.mesh):
-            for i in range(steps):
-                state, metrics, _ = st(state, w.run.teacher_params, next(w.batches), warmup + steps + i)
-        jax.block_until_ready((state, metrics))
-        step_s = (time.perf_counter() - t0) / steps
+            while len(full) < steps and i < warmup + 4 * steps:
+                before, t0 = _compiled_shapes(st), time.perf_counter()
+                state, metrics, _ = st(state, w.run.teacher_params, next(w.batches), i)
+                jax.block_until_ready((state, metrics))
+                if _compiled_shapes(st) == before:
+                    full.append(time.perf_counter() - t0)
+                i += 1
+        step_s = float(np.median(full)) if full else float("nan")
         warm = [j for j, f in enumerate(fracs[m]) if not f["compiled"]] or list(range(len(fracs[m])))
         med = {k: float(np.median([v[j] for j in warm])) for k, v in times[m].items()}
         out[m] = {"stage_s": med, "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},

@@ -112,6 +112,11 @@ class Rollout:
     def rewards_B(self) -> jax.Array | None:
         return self.arrays.rewards_B
 
+    def block_until_ready(self) -> "Rollout":
+        """Wait for the device part (what `jax.block_until_ready(rollout)` calls: the host part is no pytree)."""
+        jax.block_until_ready(self.arrays)
+        return self
+
     def useful_fraction(self, lengths_B: np.ndarray) -> float:
         """The share of the sampler's slot-steps that produced a real token (1: no slot idle; the static engine
         spends the longest row's steps on every row)."""
