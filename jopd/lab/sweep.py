@@ -1,9 +1,9 @@
 """Run a `SweepConfig`: every (setup, seed) as a full `jopd train` run, resumable (finished runs are skipped, an
 interrupted one resumes from its checkpoint), then the analysis (`sweep_report`).
 
-All runs of a sweep share the starting student, the teacher and the held-out evaluation seed
-(`train.eval_seed`), so the evaluation before training is the same for every run: it is computed once, by the
-first run, and copied into the others.
+Runs of a sweep that share the starting student, the teacher and the held-out evaluation settings (seed
+`train.eval_seed`, problems, lengths) have the same evaluation before training: it is computed once, by the
+first of them, and copied into the others (`_before_eval_key`).
 """
 
 from __future__ import annotations
@@ -54,10 +54,21 @@ def check_configs(sweep: SweepConfig) -> None:
             raise ValueError(f"sweep setup {where!r}: {e}") from None
 
 
-def _share_before_eval(sweep: SweepConfig, target: Path) -> None:
-    """The starting student's eval is the same for every run of a sweep (all methods start from it)."""
+def _before_eval_key(cfg) -> tuple:
+    """What the eval before training depends on: runs that agree on it share that eval."""
+    t = cfg.train
+    return (cfg.student, cfg.teacher, cfg.data, cfg.sampling, cfg.loss.cross_tokenizer, t.eval_problems,
+            t.eval_max_new_tokens, t.eval_seed)
+
+
+def _share_before_eval(sweep: SweepConfig, target: Path, cfg) -> None:
+    """The starting student's eval is the same for every run of a sweep that starts from the same student and is
+    judged by the same teacher (a setup that changes either computes its own)."""
+    key = _before_eval_key(cfg)
     for method, setup, seed in planned_runs(sweep):
         src = run_dir(sweep, setup.name, seed, method)
+        if src == target or _before_eval_key(run_config(sweep, setup, seed, method)) != key:
+            continue
         files = [(eval_path(src, "before", x), eval_path(target, "before", x)) for x in (".json", ".csv")]
         if all(a.is_file() for a, _ in files):
             (target / "eval").mkdir(parents=True, exist_ok=True)
@@ -116,9 +127,10 @@ def _train_planned(sweep: SweepConfig, log) -> list[dict]:
             records.append(rec | {"status": "done", "wall_s": 0.0})
             continue
         log(f"[{i + 1}/{len(runs)}] {setup.name} seed {seed} -> {out}")
-        _share_before_eval(sweep, out)
+        cfg = run_config(sweep, setup, seed, method)
+        _share_before_eval(sweep, out, cfg)
         t0 = time.perf_counter()
-        summary = train(run_config(sweep, setup, seed, method), log=log, probe_hook=training_probe)
+        summary = train(cfg, log=log, probe_hook=training_probe)
         status = "trained" if "after" in summary else "interrupted"
         records.append(rec | {"status": status, "wall_s": time.perf_counter() - t0})
         if status == "interrupted":  # preempted (SIGTERM/SIGINT): the run saved its state; a rerun resumes it

@@ -138,3 +138,13 @@ def test_a_second_sweep_on_the_same_out_dir_is_refused_while_the_first_trains(sw
                         lambda cfg, log=print, **hooks: trained.append(cfg.train.out_dir) or {"steps": 0})
     sweeplib.run_sweep(sweep, log=lambda *_: None)
     assert len(trained) == 1  # the fake run "was preempted" (no "after"), so the sweep stopped after it
+
+
+def test_only_runs_with_the_same_student_teacher_and_eval_share_the_before_eval():
+    from jopd.opd.run_config import load_config
+
+    key = lambda *o: sweeplib._before_eval_key(load_config(None, list(o)))  # noqa: E731
+    assert key() == key("rollout_precision.logit_noise=3.0", "train.seed=1", "loss.kind=rkl")  # the bracket's setups
+    assert key() != key("teacher.arch.num_layers=3")  # another teacher judges the starting student
+    assert key() != key("loss.cross_tokenizer=sampled")  # scored per character by another tokenizer's teacher
+    assert key() != key("train.eval_problems=7")
