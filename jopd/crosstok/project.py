@@ -38,6 +38,11 @@ Q_{context + t}(rest of sigma). Hence
   distribution (tail = every other next character or special token). For a multi-byte character c, teacher
   tokens holding only part of c make q(c) a lower bound.
 
+The teacher's tokenization of the text so far is the one of the whole response, so where a boundary falls can
+depend on what follows it (SmolLM2: `. ####` ends in ` ####`, `. 16` in ` `, `1`). After a boundary that a
+continuation would have merged away, the teacher gives that continuation almost no mass, and the projection
+inherits the bias: "exact" above holds at boundaries no continuation can move (docs/cross_tokenizer.md).
+
 **Host precomputation** (`projection_table`, once per vocabulary pair): the teacher's text tokens sorted by their
 byte strings, so that the tokens starting with sigma(s) are one contiguous interval [lo(s), hi(s)) of that order;
 the table is the order and each student id's interval (two ints per student id). The intervals of a support
