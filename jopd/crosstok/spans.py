@@ -85,7 +85,7 @@ class SpanLogProbs(NamedTuple):
     signal_BxK: Float[Array, "B K"]  # student - teacher
 
 
-def _span_sums(logp_BxN: jax.Array, span_BxN: jax.Array, K: int) -> jax.Array:
+def span_sums(logp_BxN: jax.Array, span_BxN: jax.Array, K: int) -> jax.Array:
     """sum of logp over the positions of each span id 0..K-1 (id K collects the rest and is dropped)."""
     rows = jnp.arange(logp_BxN.shape[0])[:, None]
     out = jnp.zeros((logp_BxN.shape[0], K + 1), logp_BxN.dtype).at[rows, span_BxN].add(logp_BxN)
@@ -102,8 +102,8 @@ def span_logprobs(
     """The per-span log-prob sums of both sides and the signal (module docstring). Span ids outside [0, K) (the
     padding id K) contribute nowhere; differentiable in both log-prob inputs."""
     K = span_mask_BxK.shape[1]
-    s = jnp.where(span_mask_BxK, _span_sums(logp_student_BxNs, student_span_BxNs, K), 0.0)
-    t = jnp.where(span_mask_BxK, _span_sums(logp_teacher_BxNt, teacher_span_BxNt, K), 0.0)
+    s = jnp.where(span_mask_BxK, span_sums(logp_student_BxNs, student_span_BxNs, K), 0.0)
+    t = jnp.where(span_mask_BxK, span_sums(logp_teacher_BxNt, teacher_span_BxNt, K), 0.0)
     return SpanLogProbs(student_BxK=s, teacher_BxK=t, signal_BxK=s - t)
 
 

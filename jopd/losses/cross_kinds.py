@@ -18,17 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jopd.crosstok.spans import at_tokens, span_sums
 from jopd.losses import divergences as div
 from jopd.losses.kinds import OBJECTIVES, Objective
 from jopd.losses.masks import masked_mean
 from jopd.losses.policy_gradient import policy_gradient_surrogate
 
 _SPANS = ("span_id_BxT", "span_mask_BxT")
-
-
-def _span_sums(values_BxT, span_BxT, K):
-    rows = jnp.arange(values_BxT.shape[0])[:, None]
-    return jnp.zeros((values_BxT.shape[0], K + 1), values_BxT.dtype).at[rows, span_BxT].add(values_BxT)[:, :K]
 
 
 def _none(cfg, logits, inp):
@@ -53,10 +49,10 @@ def _sampled_reduce(cfg, logp, terms, batch, mask, weights):
     logp_sg = jax.lax.stop_gradient(logp)
     K = batch.span_mask_BxT.shape[1]
     in_span = mask
-    student = _span_sums(jnp.where(in_span, logp_sg, 0.0), jnp.where(in_span, batch.span_id_BxT, K), K)
+    span_BxT = jnp.where(in_span, batch.span_id_BxT, K)
+    student = span_sums(jnp.where(in_span, logp_sg, 0.0), span_BxT, K)
     signal = jnp.where(batch.span_mask_BxT, student - batch.span_teacher_logprobs_BxT.astype(jnp.float32), 0.0)
-    padded = jnp.concatenate([signal, jnp.zeros_like(signal[:, :1])], axis=1)
-    adv = -jnp.take_along_axis(padded, jnp.where(in_span, batch.span_id_BxT, K), axis=1)
+    adv = -at_tokens(signal, span_BxT)
     tokens = jnp.maximum(jnp.sum(in_span), 1).astype(jnp.float32)
     # num_tokens (the shared reduction's) counts the aligned tokens: the degenerate-run guard stops a run whose
     # rollouts never align

@@ -28,6 +28,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from jopd import crosstok
+from jopd.crosstok.spans import span_sums
 from jopd.losses.chunked import chunked_logits_map, head_params
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
@@ -132,9 +133,7 @@ def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, 
 
         lp = chunked_logits_map(target_logprobs, head, h_BxNtxD, {"t": cross.tokens_BxNt}, chunk, remat=False)["lp"]
         lp = jnp.where(cross.mask_BxNt, lp, 0.0)
-        K = cross.span_mask_BxN.shape[1]
-        sums = jnp.zeros((lp.shape[0], K + 1), lp.dtype).at[jnp.arange(lp.shape[0])[:, None],
-                                                             cross.teacher_span_BxNt].add(lp)[:, :K]
+        sums = span_sums(lp, cross.teacher_span_BxNt, cross.span_mask_BxN.shape[1])
         out["span_teacher_logprobs_BxT"] = jnp.where(cross.span_mask_BxN, sums, 0.0)
         return out
     # dense: the teacher's distribution at each span start, projected onto the student's top-K there
