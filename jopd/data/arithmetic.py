@@ -14,13 +14,12 @@ disjoint by their arithmetic (the expression, whatever the wording), not only by
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import overload
 
 import numpy as np
 import pydantic
 
 from jopd.config_dataclass import config_dataclass
+from jopd.data import seeded
 from jopd.data.problem import Problem
 
 _NAMES = ("Al", "Bo", "Cy", "Di", "Ed", "Jo", "Max", "Sam", "Ann", "Zoe", "Kim", "Lu")
@@ -28,8 +27,6 @@ _THINGS = ("pens", "cups", "eggs", "figs", "hats", "keys", "jars", "toys", "nuts
 _ADD = ("gets {n}", "buys {n}", "finds {n}")
 _SUB = ("loses {n}", "sells {n}", "uses {n}")
 _MUL = {2: "doubles them", 3: "triples them"}
-_TRAIN, _HELDOUT = 0, 1  # seed namespaces of the two splits
-_MAX_ATTEMPTS = 1000
 
 
 @config_dataclass
@@ -45,10 +42,6 @@ class ArithmeticConfig:
     def __post_init__(self):
         if self.min_steps > self.max_steps:
             raise ValueError(f"min_steps={self.min_steps} > max_steps={self.max_steps}")
-
-
-def _rng(cfg: ArithmeticConfig, namespace: int, index: int, attempt: int) -> np.random.Generator:
-    return np.random.default_rng([cfg.seed, namespace, index, attempt])
 
 
 def _draw(cfg: ArithmeticConfig, rng: np.random.Generator) -> tuple[str, str, str, str]:
@@ -90,22 +83,16 @@ def _draw(cfg: ArithmeticConfig, rng: np.random.Generator) -> tuple[str, str, st
 @functools.lru_cache(maxsize=8)
 def _heldout_draws(cfg: ArithmeticConfig) -> tuple[tuple[str, str, str, str], ...]:
     """The held-out draws in order, first occurrence of each expression kept (cached: configs are frozen)."""
-    seen: set[str] = set()
-    out = []
-    index, misses = 0, 0
-    while len(out) < cfg.heldout_size:
-        if misses > max(1000, 20 * cfg.heldout_size):  # that many repeats in a row: the space is exhausted
-            raise ValueError(f"ArithmeticConfig: only {len(out)} distinct problems exist at this difficulty, fewer "
-                             f"than heldout_size={cfg.heldout_size}; raise max_number or max_steps")
-        draw = _draw(cfg, _rng(cfg, _HELDOUT, index, 0))
-        if draw[3] in seen:
-            misses += 1
-        else:
-            seen.add(draw[3])
-            out.append(draw)
-            misses = 0
-        index += 1
-    return tuple(out)
+    return seeded.distinct_draws(functools.partial(_seeded_draw, cfg), _expression, cfg.heldout_size,
+                                 "ArithmeticConfig: raise max_number or max_steps")
+
+
+def _seeded_draw(cfg: ArithmeticConfig, namespace: int, index: int, attempt: int) -> tuple[str, str, str, str]:
+    return _draw(cfg, np.random.default_rng([cfg.seed, namespace, index, attempt]))
+
+
+def _expression(draw: tuple[str, str, str, str]) -> str:
+    return draw[3]
 
 
 def heldout_problems(cfg: ArithmeticConfig) -> list[Problem]:
@@ -113,30 +100,11 @@ def heldout_problems(cfg: ArithmeticConfig) -> list[Problem]:
     return [Problem(q, s, a, f"arithmetic heldout #{i}") for i, (q, s, a, _) in enumerate(_heldout_draws(cfg))]
 
 
-class ArithmeticTrain(Sequence[Problem]):
+class ArithmeticTrain(seeded.SeededStream):
     """Index-addressable train stream: problem i is drawn from (seed, i), redrawn while it is a held-out one."""
 
     def __init__(self, cfg: ArithmeticConfig):
         self.cfg = cfg
-        self._heldout = frozenset(draw[3] for draw in _heldout_draws(cfg))
-
-    def __len__(self) -> int:
-        return self.cfg.train_size
-
-    @overload
-    def __getitem__(self, index: int) -> Problem: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Problem]: ...
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        index = int(index)
-        if not 0 <= index < len(self):
-            raise IndexError(f"train problem {index} out of range [0, {len(self)})")
-        for attempt in range(_MAX_ATTEMPTS):
-            q, s, a, expr = _draw(self.cfg, _rng(self.cfg, _TRAIN, index, attempt))
-            if expr not in self._heldout:
-                return Problem(q, s, a, f"arithmetic train #{index}")
-        raise ValueError(f"ArithmeticConfig: train problem {index} collides with the held-out split "
-                         f"{_MAX_ATTEMPTS} times; the difficulty leaves too few distinct problems")
+        super().__init__(cfg.train_size, functools.partial(_seeded_draw, cfg), _expression,
+                         frozenset(_expression(d) for d in _heldout_draws(cfg)),
+                         lambda d, i: Problem(d[0], d[1], d[2], f"arithmetic train #{i}"), "ArithmeticConfig")

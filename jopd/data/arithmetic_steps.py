@@ -118,8 +118,9 @@ def _agree(text: str, start: int, expected: str) -> int:
     return start + n
 
 
-class _Checker:
-    """A left-to-right scan of one response against its reference; `run` returns the StepCheck."""
+class StepScanner:
+    """A left-to-right scan of one response against its reference; `run` returns the StepCheck. Its element
+    readers (`literal`, `number`, `error`, ...) serve other tasks' checkers too (`counting_steps`)."""
 
     def __init__(self, text: str, ref: Reference):
         self.text, self.ref = text, ref
@@ -197,7 +198,7 @@ class _Checker:
 
 def check_response(response: str, solution: str) -> StepCheck:
     """Check `response` step by step against the problem whose reference worked solution is `solution`."""
-    return _Checker(response, parse_reference(solution)).run()
+    return StepScanner(response, parse_reference(solution)).run()
 
 
 def locate_first_error(response: str, solution: str) -> FirstError | None:

@@ -1,4 +1,5 @@
-"""JSONL math problems, one object per line: `{"question": ..., "answer": "... #### 42"}` (GSM8K's format)."""
+"""JSONL math problems, one object per line: `{"question": ..., "answer": "... #### 42"}` (GSM8K's format), with an
+optional `"task": "label"` that `data.mix` can draw on (several teachers route rows by it)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,11 @@ def _parse_line(line: str, where: str) -> Problem:
             raise ValueError(f"{where}: missing field '{field}'")
         if not isinstance(record[field], str) or not record[field].strip():
             raise ValueError(f"{where}: field '{field}' must be a non-empty string")
+    task = record.get("task")
+    if task is not None and (not isinstance(task, str) or not task.strip()):
+        raise ValueError(f"{where}: field 'task' must be a non-empty string when given")
     final = extract_answer(record["answer"])
     if parse_number(final) is None:
         raise ValueError(f"{where}: field 'answer' does not end with a '#### <number>' final answer")
     return Problem(question=record["question"].strip(), solution=record["answer"].strip(),
-                   answer=final.replace(" ", ""), where=where)
+                   answer=final.replace(" ", ""), where=where, task=task)

@@ -1,7 +1,9 @@
 """Grain pipelines: batches of chat-formatted prompts (OPD, eval) and prompt + worked solution (SFT warm starts).
 
 Train: problem ids -> this process's shard (`ids[process_index::process_count]`) -> seeded global shuffle,
-reshuffled every epoch -> repeat forever -> encode -> batch (drop remainder) -> iterator. The iterator is a
+reshuffled every epoch -> repeat forever -> encode -> batch (drop remainder) -> iterator. With `data.mix`, one
+such stream per task, each batched to its fixed share of the batch, and step n's batch their n-th batches in the
+mix's order (task-major). The iterator is a
 `grain.DatasetIterator`: its position is saved with `grain.checkpoint.CheckpointSave` beside the train state
 (see `jopd.opd.checkpoint`) and a restored iterator continues with the next batch.
 
@@ -12,10 +14,13 @@ Every batch is a dict of numpy arrays (B = per-process batch, P = max_prompt_len
   prompt_tokens [B,P] int32   chat-formatted prompt, LEFT-padded with the pad id (ends at column P-1)
   prompt_mask   [B,P] int32   1 on prompt tokens, 0 on padding
   prompt_len    [B]   int32   number of prompt tokens
-  index         [B]   int64   problem id within its split (pairs runs per held-out problem)
+  index         [B]   int64   problem id within its split (pairs runs per held-out problem; with `data.mix`, the
+                              held-out id counts through the tasks' splits in the mix's order)
   valid         [B]   bool    False only on held-out padding rows
   question      [B]   str     raw question text
-  answer        [B]   str     reference final answer (bare number; check with `answers.is_correct`)
+  answer        [B]   str     reference final answer (bare number; check with the row's task's `is_correct`)
+  task          [B]   str     the row's task (`jopd.data.mixture`; `data.task` without a mix)
+  task_id       [B]   int32   its position in the run's task sources (train batches: task-major, fixed rows each)
 SFT batches (kind="sft") add, in the layout an OPD rollout has (prompt in columns [0,P), response after it):
   tokens        [B,P+R] int32 left-padded prompt, then the response (solution + end-of-turn), right-padded
   attn_mask     [B,P+R] int32 1 on real tokens
@@ -36,8 +41,10 @@ from transformers import PreTrainedTokenizerBase
 
 from jopd.config_dataclass import config_dataclass
 from jopd.data.arithmetic import ArithmeticConfig
+from jopd.data.counting import CountingConfig
 from jopd.data.chat import prompt_ids, prompt_response_ids
 from jopd.data.problem import Problem
+from jopd.data.mixture import TaskSource, batch_rows, task_sources
 from jopd.data.tasks import TASKS, task_options
 from jopd.registry import registered
 
@@ -52,6 +59,11 @@ class DataConfig:
     # a registered task (`jopd.data.tasks`): the built-in synthetic arithmetic, JSONL math files, or a plugin's
     task: registered(TASKS) = "arithmetic"
     arithmetic: ArithmeticConfig = ArithmeticConfig()  # generator settings (task=arithmetic)
+    counting: CountingConfig = CountingConfig()  # generator settings (task=counting)
+    # Several tasks in one stream: task -> weight, a registered task or a `task` label of the JSONL files. Every
+    # batch holds batch_size * weight / sum(weights) prompts of each (whole numbers) and each row carries its task
+    # (`jopd.data.mixture`); the held-out split is the tasks' splits one after the other. Empty: `task` alone.
+    mix: dict[str, float] = pydantic.Field(default_factory=dict)
     options: dict[str, Any] = pydantic.Field(default_factory=dict)  # a plugin task's own settings (its `options`)
     train_path: str | None = None  # JSONL train problems (task=jsonl)
     heldout_path: str | None = None  # JSONL held-out problems (task=jsonl)
@@ -67,12 +79,28 @@ class DataConfig:
     def __post_init__(self):
         if self.task == "jsonl" and not self.train_path:
             raise ValueError("task=jsonl needs train_path")
+        for name, weight in self.mix.items():
+            if weight <= 0:
+                raise ValueError(f"mix: {name!r} has weight {weight}; weights must be > 0")
+            if name not in TASKS.names() and not self.train_path:
+                raise ValueError(f"mix: {name!r} is not a registered task ({', '.join(TASKS.names())}), and no "
+                                 f"train_path holds JSONL problems labelled with it")
+            if name == "jsonl" and not self.train_path:
+                raise ValueError("mix: jsonl needs train_path")
+        if self.mix:
+            batch_rows(task_sources(self), self.batch_size)
         task_options(self)  # a task's options are checked with the config, before any compute
 
 
 def load_problems(cfg: DataConfig, split: Split) -> Sequence[Problem]:
-    """The problems of a split (`TASKS[cfg.task].problems`); a streaming train split is indexed by problem id."""
-    return TASKS[cfg.task].problems(cfg, split)
+    """The problems of a split (`TASKS[cfg.task].problems`); a streaming train split is indexed by problem id.
+    With `data.mix`, the held-out split is the tasks' held-out splits one after the other (the held-out ids)."""
+    sources = task_sources(cfg)
+    if len(sources) == 1:
+        return sources[0].problems(cfg, split)
+    if split == "train":
+        raise ValueError("load_problems: a mix of tasks has one train stream per task (`train_dataset`)")
+    return [p for s in sources for p in s.problems(cfg, split)]
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -86,10 +114,13 @@ def _too_long(problem: Problem, field: str, n: int, limit_name: str, limit: int)
 
 
 def encode_problem(problem: Problem, index: int, *, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
-                   kind: Kind, valid: bool = True) -> dict[str, Any]:
-    """One problem -> one (unbatched) element of the batch layout documented in this module."""
+                   kind: Kind, valid: bool = True, source: TaskSource | None = None, task_id: int = 0
+                   ) -> dict[str, Any]:
+    """One problem of `source` (default: the run's first task) -> one (unbatched) element of the batch layout
+    documented in this module."""
     P, R, pad = cfg.max_prompt_len, cfg.max_response_len, _pad_id(tokenizer)
-    user_turn = TASKS[cfg.task].user_turn(problem)
+    source = source or task_sources(cfg)[0]
+    user_turn = source.task.user_turn(problem)
     if kind == "sft":
         prompt, response = prompt_response_ids(tokenizer, user_turn, problem.solution, cfg.system_prompt)
         if len(response) > R:
@@ -106,6 +137,7 @@ def encode_problem(problem: Problem, index: int, *, tokenizer: PreTrainedTokeniz
     element = {
         "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask, "prompt_len": np.int32(n),
         "index": np.int64(index), "valid": np.bool_(valid), "question": problem.question, "answer": problem.answer,
+        "task": source.name, "task_id": np.int32(task_id),
     }
     if kind == "sft":
         m = len(response)
@@ -133,11 +165,13 @@ def _per_process(global_batch: int, pc: int, name: str) -> int:
     return global_batch // pc
 
 
-def _encoder(problems: Sequence[Problem], tokenizer, cfg: DataConfig, kind: Kind,
-             eager: bool) -> Callable[[int], dict[str, Any]]:
-    """Problem id -> element. Finite splits are encoded up front: bad input fails before any compute."""
+def _encoder(problems: Sequence[Problem], tokenizer, cfg: DataConfig, kind: Kind, eager: bool,
+             source: TaskSource, task_id: int, first_index: int = 0) -> Callable[[int], dict[str, Any]]:
+    """Problem id -> element (its `index`: first_index + id). Finite splits are encoded up front: bad input fails
+    before any compute."""
     def encode(i: int) -> dict[str, Any]:
-        return encode_problem(problems[i], i, tokenizer=tokenizer, cfg=cfg, kind=kind)
+        return encode_problem(problems[i], first_index + i, tokenizer=tokenizer, cfg=cfg, kind=kind, source=source,
+                              task_id=task_id)
 
     if not eager:
         return encode
@@ -151,21 +185,36 @@ def _read_options(cfg: DataConfig) -> grain.ReadOptions:
 
 def train_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind: Kind = "prompt",
                   process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
-    """Endless, seeded-shuffled, per-process-sharded batches of the train split (per-process batch size)."""
+    """Endless, seeded-shuffled, per-process-sharded batches of the train split (per-process batch size); with
+    `data.mix`, each task's fixed share of every batch, task-major."""
     pi, pc = _process(process_index, process_count)
-    per_process = _per_process(cfg.batch_size, pc, "batch_size")
-    problems = load_problems(cfg, "train")
+    sources = task_sources(cfg)
+    rows = batch_rows(sources, cfg.batch_size) if len(sources) > 1 else (cfg.batch_size,)
+    if len(sources) > 1 and any(n % pc for n in rows):
+        shares = ", ".join(f"{s.name}: {n}" for s, n in zip(sources, rows))
+        raise ValueError(f"DataConfig.mix: each task's rows per batch ({shares}) must split over the {pc} processes")
+    streams = [_task_batches(cfg, tokenizer, kind, source, i, _per_process(n, pc, "batch_size"), pi, pc)
+               for i, (source, n) in enumerate(zip(sources, rows))]
+    ds = streams[0] if len(streams) == 1 else grain.MapDataset.range(len(streams[0])).map(
+        lambda step: {k: np.concatenate([s[step][k] for s in streams]) for k in streams[0][step]})
+    return ds.to_iter_dataset(_read_options(cfg))
+
+
+def _task_batches(cfg: DataConfig, tokenizer, kind: Kind, source: TaskSource, task_id: int, per_process: int,
+                  pi: int, pc: int) -> grain.MapDataset:
+    """One task's endless stream of this process's batches of `per_process` rows (its share of each batch)."""
+    problems = source.problems(cfg, "train")
     if len(problems) < pc * per_process:
-        raise ValueError(f"train split has {len(problems)} problems, fewer than one global batch "
-                         f"(DataConfig.batch_size={cfg.batch_size})")
-    lazy = TASKS[cfg.task].streams_train
-    encode = _encoder(problems, tokenizer, cfg, kind, eager=not lazy)
+        raise ValueError(f"train split{'' if not cfg.mix else f' of {source.name}'} has {len(problems)} problems, "
+                         f"fewer than one global batch (DataConfig.batch_size={cfg.batch_size})")
+    lazy = source.task.streams_train
+    encode = _encoder(problems, tokenizer, cfg, kind, eager=not lazy, source=source, task_id=task_id)
     if lazy:  # a stream cannot be checked whole; its first problems catch a too-small length limit early
         for i in range(min(len(problems), _LAZY_PRECHECK)):
             encode(i)
     ids = grain.MapDataset.range(len(problems))[pi::pc]
     ds = ids.shuffle(seed=cfg.seed).repeat(None).map(encode)
-    return ds.batch(per_process, drop_remainder=True).to_iter_dataset(_read_options(cfg))
+    return ds.batch(per_process, drop_remainder=True)
 
 
 def train_iterator(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind: Kind = "prompt",
@@ -175,19 +224,25 @@ def train_iterator(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind:
 
 
 def heldout_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, kind: Kind = "prompt",
-                    process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
-    """One ordered pass over the held-out split in batches of `eval_batch_size` (global); padding rows invalid."""
+                    process_index: int | None = None, process_count: int | None = None,
+                    max_problems: int | None = None) -> grain.IterDataset:
+    """One ordered pass over the held-out split in batches of `eval_batch_size` (global); padding rows invalid.
+    `max_problems`: the first that many of each task's held-out problems (their ids stay the full split's)."""
     pi, pc = _process(process_index, process_count)
     per_process = _per_process(cfg.eval_batch_size, pc, "eval_batch_size")
-    problems = load_problems(cfg, "heldout")
-    encode = _encoder(problems, tokenizer, cfg, kind, eager=True)
-    n = len(problems)
-    total = -(-n // cfg.eval_batch_size) * cfg.eval_batch_size
-    rows = [(i, True) for i in range(n)] + [(n - 1, False)] * (total - n)
+    encoders, rows, first = [], [], 0
+    for task_id, source in enumerate(task_sources(cfg)):
+        problems = source.problems(cfg, "heldout")
+        encoders.append(_encoder(problems, tokenizer, cfg, kind, eager=True, source=source, task_id=task_id,
+                                 first_index=first))
+        rows += [(task_id, i, True) for i in range(min(len(problems), max_problems or len(problems)))]
+        first += len(problems)
+    total = -(-len(rows) // cfg.eval_batch_size) * cfg.eval_batch_size
+    rows += [rows[-1][:2] + (False,)] * (total - len(rows))
 
-    def encode_row(row: tuple[int, bool]) -> dict[str, Any]:
-        i, valid = row
-        return {**encode(i), "valid": np.bool_(valid)}
+    def encode_row(row: tuple[int, int, bool]) -> dict[str, Any]:
+        task_id, i, valid = row
+        return {**encoders[task_id](i), "valid": np.bool_(valid)}
 
     ds = grain.MapDataset.source(rows)[pi::pc].map(encode_row)
     return ds.batch(per_process, drop_remainder=False).to_iter_dataset(_read_options(cfg))

@@ -3,13 +3,15 @@ how an answer is checked (and rewarded, for the RL kinds), and optionally a step
 teacher-reliability probe. `DataConfig.task` validates against it, so a task registered from a user's module
 (`plugins:`, see docs/extending.md) is trained, evaluated and probed like a built-in one.
 
-Built-ins: `arithmetic` (the testbed's seeded word problems, checkable step by step) and `jsonl` (GSM8K-style
-files, `data.train_path` / `data.heldout_path`).
+Built-ins: `arithmetic` (the testbed's seeded word problems, checkable step by step), `counting` (letters in a
+word, with running counts; checkable step by step) and `jsonl` (GSM8K-style files, `data.train_path` /
+`data.heldout_path`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -94,6 +96,11 @@ def _arithmetic_problems(cfg: "DataConfig", split: Split) -> Sequence[Problem]:
     return ArithmeticTrain(cfg.arithmetic) if split == "train" else heldout_problems(cfg.arithmetic)
 
 
+def _counting_problems(cfg: "DataConfig", split: Split) -> Sequence[Problem]:
+    from jopd.data.counting import CountingTrain, heldout_problems
+    return CountingTrain(cfg.counting) if split == "train" else heldout_problems(cfg.counting)
+
+
 def _jsonl_problems(cfg: "DataConfig", split: Split) -> Sequence[Problem]:
     from jopd.data.math_jsonl import load_math_jsonl
     path = cfg.train_path if split == "train" else cfg.heldout_path
@@ -104,4 +111,6 @@ def _jsonl_problems(cfg: "DataConfig", split: Split) -> Sequence[Problem]:
 
 TASKS.add("arithmetic", Task(_arithmetic_problems, cache_key=lambda cfg: dataclasses.asdict(cfg.arithmetic),
                              step_checker=_ArithmeticSteps(), streams_train=True))
+TASKS.add("counting", Task(_counting_problems, cache_key=lambda cfg: dataclasses.asdict(cfg.counting),
+                           step_checker=importlib.import_module("jopd.data.counting_steps"), streams_train=True))
 TASKS.add("jsonl", Task(_jsonl_problems, cache_key=lambda cfg: [cfg.train_path]))

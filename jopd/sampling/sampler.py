@@ -523,14 +523,17 @@ class Sampler:
         return toks, mask
 
     def generate(self, params, prompts: Sequence[Sequence[int]], *, seed: int | None = None,
-                 first_index: int = 0, min_batch: int = 1) -> SampleOutput:
-        """Sample completions of token-id prompts; sequence i is seeded by (seed, first_index + i).
-        `min_batch` pads small batches up to a bucket already compiled. Returns a numpy `SampleOutput` with
-        exactly len(prompts) rows."""
+                 first_index: int = 0, min_batch: int = 1, row_ids: Sequence[int] | None = None) -> SampleOutput:
+        """Sample completions of token-id prompts; sequence i is seeded by (seed, first_index + i), or by (seed,
+        row_ids[i]) when given. `min_batch` pads small batches up to a bucket already compiled. Returns a numpy
+        `SampleOutput` with exactly len(prompts) rows."""
         check_prompts(prompts, self.cfg, self.sampling.max_new_tokens)
         toks, mask = self.pad(prompts, min_batch)
         seed = self.sampling.seed if seed is None else seed
-        rand = row_randomness(seed, first_index + np.arange(toks.shape[0]), self.sampling.max_new_tokens)
+        ids = first_index + np.arange(toks.shape[0])
+        if row_ids is not None:
+            ids[:len(row_ids)] = row_ids
+        rand = row_randomness(seed, ids, self.sampling.max_new_tokens)
         if self.shardings is not None:
             toks, mask, rand = jax.device_put((toks, mask, rand), self.shardings.batch)
         out = self.sample_padded(params, toks, mask, rand)

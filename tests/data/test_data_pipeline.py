@@ -39,7 +39,9 @@ def test_prompt_batch_layout(tok):
     batch = next(train_iterator(cfg, tok))
     assert {k: (v.dtype.kind, v.shape) for k, v in batch.items()} == {
         "prompt_tokens": ("i", (4, 80)), "prompt_mask": ("i", (4, 80)), "prompt_len": ("i", (4,)),
-        "index": ("i", (4,)), "valid": ("b", (4,)), "question": ("U", (4,)), "answer": ("U", (4,))}
+        "index": ("i", (4,)), "valid": ("b", (4,)), "question": ("U", (4,)), "answer": ("U", (4,)),
+        "task": ("U", (4,)), "task_id": ("i", (4,))}
+    assert set(batch["task"]) == {"arithmetic"} and not batch["task_id"].any()
     assert batch["prompt_tokens"].dtype == np.int32 and batch["index"].dtype == np.int64
     problems = load_problems(cfg, "train")
     for row in range(4):
@@ -131,7 +133,7 @@ def test_too_long_inputs_name_problem_and_field(tok, jsonl_cfg, tmp_path):
 
 
 def test_data_config_errors():
-    with pytest.raises(ConfigError, match=r"^DataConfig.task: unknown task 'gsm' \(registered: arithmetic, jsonl"):
+    with pytest.raises(ConfigError, match=r"^DataConfig.task: unknown task 'gsm' \(registered: arithmetic, counting, jsonl"):
         build(DataConfig, {"task": "gsm"})
     with pytest.raises(ConfigError, match=r"DataConfig.arithmetic.max_steps: Input should be less than"):
         build(DataConfig, {"arithmetic": {"max_steps": 60}})

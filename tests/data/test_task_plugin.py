@@ -39,7 +39,7 @@ def test_task_options_are_validated_with_the_config():
         load_config(None, PLUGIN + ["data.options={typo: 1}"])
     with pytest.raises(ConfigError, match=r"^RunConfig.data.options: task 'arithmetic' takes no options"):
         load_config(None, ["data.options={min_len: 2}"])
-    with pytest.raises(ConfigError, match=r"^RunConfig.data.task: unknown task 'nope' \(registered: arithmetic, jsonl"):
+    with pytest.raises(ConfigError, match=r"^RunConfig.data.task: unknown task 'nope' \(registered: arithmetic, counting, jsonl"):
         load_config(None, ["data.task=nope"])
 
 
