@@ -60,7 +60,7 @@ def batch_rows(sources: Sequence[TaskSource], batch_size: int, field: str = "bat
         exact = batch_size * s.weight / total
         if abs(exact - round(exact)) > 1e-9 or round(exact) < 1:
             shares = ", ".join(f"{t.name}: {batch_size * t.weight / total:g}" for t in sources)
-            raise ValueError(f"DataConfig.mix: {field}={batch_size} does not split into whole rows per task "
+            raise ValueError(f"mix: {field}={batch_size} does not split into whole rows per task "
                              f"({shares}); choose weights and {field} so each share is a whole number >= 1")
         rows.append(int(round(exact)))
     return tuple(rows)
@@ -69,3 +69,10 @@ def batch_rows(sources: Sequence[TaskSource], batch_size: int, field: str = "bat
 def source_index(sources: Sequence[TaskSource]) -> dict[str, int]:
     """Task label -> its position in the run's sources (a row's `task_id`)."""
     return {s.name: i for i, s in enumerate(sources)}
+
+
+def cache_key(cfg: "DataConfig"):
+    """What identifies the stream's data in the cache key of SFT-made models (a single task: its own key)."""
+    if not cfg.mix:
+        return TASKS[cfg.task].cache_key(cfg)
+    return [[s.name, s.weight, s.label, s.task.cache_key(cfg)] for s in task_sources(cfg)]

@@ -43,6 +43,7 @@ class LossBatch:
     span_mask_BxT: Bool[Array, "B T"] | None = None
     span_teacher_logprobs_BxT: Float[Array, "B T"] | None = None
     dense_mask_BxT: Bool[Array, "B T"] | None = None
+    task_BxT: Int[Array, "B T"] | None = None  # several tasks: each row's task id (`LossConfig.task_names`)
     token_normalizer: Float[Array, ""] | None = None  # replaces the count of loss tokens as the denominator
     compact: CompactLayout | None = None  # packed: where the chunk fields' compact positions come from
 

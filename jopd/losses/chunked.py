@@ -44,7 +44,26 @@ def chunked_logits_map(
     support cancels the full-vocabulary logsumexp), the backward pass then skips the [B, C, V] softmax and
     the two V-wide matmuls (the head gradient and the hidden-state gradient through it).
     """
-    B, T, _ = hidden_BxTxD.shape
+    def per_chunk(p, inp):
+        h_BxCxD = inp.pop("_hidden")
+        if support_ids_key is None:
+            return fn(logits_from_hidden(p, h_BxCxD, dtype=dtype, logits_dtype=jnp.float32), inp)
+        logits = logits_from_hidden(jax.lax.stop_gradient(p), jax.lax.stop_gradient(h_BxCxD), dtype=dtype,
+                                    logits_dtype=jnp.float32)
+        support = logits_at_ids(p, h_BxCxD, inp[support_ids_key], dtype=dtype, logits_dtype=jnp.float32)
+        return fn(logits, dict(inp, support_logits=support))
+
+    head = head_params(params)
+    return chunked_map(lambda inp: per_chunk(head, dict(inp)), dict(inputs, _hidden=hidden_BxTxD), chunk,
+                       remat=remat)
+
+
+def chunked_map(fn: Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]], inputs: Mapping[str, jax.Array],
+                chunk: int, *, remat: bool = False) -> dict[str, jax.Array]:
+    """`fn(inputs_chunk) -> {name: [B, C, ...]}` over T-chunks of C positions of [B, T, ...] `inputs`; returns
+    [B, T, ...]. The tail chunk is zero-padded and cut from the outputs; `remat` wraps each chunk in
+    `jax.checkpoint` (only the chunk's inputs are saved for the backward pass)."""
+    B, T = next(iter(inputs.values())).shape[:2]
     c = max(1, min(int(chunk), T))
     n = -(-T // c)
     pad = n * c - T
@@ -57,22 +76,12 @@ def chunked_logits_map(
     def merge(y):  # [n, B, c, ...] -> [B, T, ...]
         return jnp.swapaxes(y, 0, 1).reshape(B, n * c, *y.shape[3:])[:, :T]
 
-    def per_chunk(p, h_BxCxD, inp):
-        if support_ids_key is None:
-            return fn(logits_from_hidden(p, h_BxCxD, dtype=dtype, logits_dtype=jnp.float32), inp)
-        logits = logits_from_hidden(jax.lax.stop_gradient(p), jax.lax.stop_gradient(h_BxCxD), dtype=dtype,
-                                    logits_dtype=jnp.float32)
-        support = logits_at_ids(p, h_BxCxD, inp[support_ids_key], dtype=dtype, logits_dtype=jnp.float32)
-        return fn(logits, dict(inp, support_logits=support))
-
     if remat:
         # Saves only the chunk's inputs; prevent_cse=False is safe (and faster) inside scan.
-        per_chunk = jax.checkpoint(per_chunk, prevent_cse=False)
-    head = head_params(params)
+        fn = jax.checkpoint(fn, prevent_cse=False)
 
     def body(carry, xs):
-        h, inp = xs
-        return carry, per_chunk(head, h, inp)
+        return carry, fn(xs)
 
-    _, out = jax.lax.scan(body, None, (split(hidden_BxTxD), {k: split(v) for k, v in inputs.items()}))
+    _, out = jax.lax.scan(body, None, {k: split(v) for k, v in inputs.items()})
     return jax.tree.map(merge, out)

@@ -61,6 +61,9 @@ class LossConfig:
     special_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
     # Masked at their first occurrence in each response only (chat-template tokens where the template writes them).
     template_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
+    # The run's tasks, when it mixes several (`data.mix`; filled by the step from the data config): the loss then
+    # also reports each task's loss and teacher k1 (`task/<name>/...`), from the batch's per-row task ids.
+    task_names: tuple[str, ...] = ()
     # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats).
     chunk_size: Annotated[int, pydantic.Field(ge=1)] = 128
     # RL kinds (reinforce / grpo), per token. grpo: PPO's clipped ratio r = pi_theta(y) / pi_sampler(y),

@@ -38,8 +38,8 @@ from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.models.config import ModelConfig
 
-__all__ = ["OBJECTIVES", "Objective", "check_batch", "compact_fields", "needs_reference", "token_loss",
-           "token_loss_from_logits"]
+__all__ = ["OBJECTIVES", "Objective", "check_batch", "compact_fields", "needs_reference", "per_task_means",
+           "token_loss", "token_loss_from_logits"]
 
 
 def needs_reference(cfg: LossConfig) -> bool:
@@ -166,7 +166,34 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -
 
     loss = masked_sum(weights * per_position, mask) / denom
     metrics["loss"] = loss
+    if cfg.task_names and batch.task_BxT is not None:
+        metrics |= _task_sums(cfg.task_names, batch.task_BxT, mask, jax.lax.stop_gradient(weights * per_position),
+                              None if teacher_lp is None else logp_sg - teacher_lp.astype(jnp.float32))
     return loss, metrics
+
+
+def _task_sums(names, task_BxT, mask, loss_BxT, k1_BxT) -> Metrics:
+    """Per task: its loss tokens and the sums of its per-token loss and teacher k1 (`task/<name>/..._sum`); the
+    loop divides them (`per_task_means`). Sums, not means, so micro-batch averages still divide exactly."""
+    out = {}
+    for t, name in enumerate(names):
+        m = mask & (task_BxT == t)
+        out[f"task/{name}/num_tokens"] = jnp.sum(m).astype(jnp.float32)
+        out[f"task/{name}/loss_sum"] = masked_sum(loss_BxT, m)
+        if k1_BxT is not None:
+            out[f"task/{name}/teacher_kl_k1_sum"] = masked_sum(k1_BxT, m)
+    return out
+
+
+def per_task_means(metrics: Mapping[str, float]) -> dict[str, float]:
+    """`metrics` with each task's `..._sum` turned into a per-token mean (`task/<name>/loss`, NaN without
+    tokens); every other metric as it is."""
+    out = {k: v for k, v in metrics.items() if not (k.startswith("task/") and k.endswith("_sum"))}
+    for k, v in metrics.items():
+        if k.startswith("task/") and k.endswith("_sum"):
+            n = metrics[k.rsplit("/", 1)[0] + "/num_tokens"]
+            out[k[:-len("_sum")]] = v / n if n > 0 else float("nan")
+    return out
 
 
 def token_loss(

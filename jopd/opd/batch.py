@@ -30,6 +30,7 @@ class RolloutArrays:
     rewards_B: Array | None = None  # RL kinds: each response's reward (logged; scoring does not read it)
     plan: Any = None  # `opd.packing.PackPlan` (train.pack): score and update the packed sequences
     cross: Any = None  # `opd.cross_teacher.CrossBatch`: the teacher's own sequences and the aligned spans
+    task_B: Array | None = None  # several tasks (`data.mix`): each row's task id, for the per-task metrics
 
 
 class SequenceLayout(NamedTuple):

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jopd.data.tasks import TASKS
-from jopd.data.pipeline import DataConfig, heldout_dataset, load_problems
-from jopd.losses.chunked import head_params
+from jopd.data.mixture import task_sources
+from jopd.data.pipeline import DataConfig, heldout_dataset
+from jopd.losses.chunked import chunked_map, head_params
 from jopd.losses.divergences import reverse_kl
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
@@ -38,14 +38,16 @@ class EvalResult:
     correct: np.ndarray  # [n] bool
     response_len: np.ndarray  # [n] tokens
     responses: list[str]
+    task: list[str] | None = None  # [n] each problem's task, when the run mixes several (`data.mix`)
 
     def summary(self) -> dict[str, float]:
-        scored = np.isfinite(self.teacher_divergence)  # a cross-tokenizer response that did not align: NaN
-        out = {"teacher_divergence": float(self.teacher_divergence[scored].mean()) if scored.any() else float("nan"),
-               "accuracy": float(self.correct.mean()), "response_len": float(self.response_len.mean()),
-               "num_problems": int(len(self.index))}
-        if not scored.all():
-            out["misaligned"] = int((~scored).sum())
+        out = _means(self.teacher_divergence, self.correct, self.response_len)
+        if self.task is not None:  # and each task's, `<task>/teacher_divergence` ...
+            task = np.asarray(self.task)
+            for name in dict.fromkeys(self.task):
+                rows = task == name
+                mine = _means(self.teacher_divergence[rows], self.correct[rows], self.response_len[rows])
+                out |= {f"{name}/{k}": v for k, v in mine.items()}
         return out
 
     def save(self, out_dir: str | Path, name: str) -> dict[str, float]:
@@ -53,12 +55,25 @@ class EvalResult:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"{name}.csv", "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["index", "teacher_divergence", "correct", "response_len", "response"])
-            for row in zip(self.index, self.teacher_divergence, self.correct, self.response_len, self.responses):
-                w.writerow([int(row[0]), f"{row[1]:.6g}", int(row[2]), int(row[3]), row[4]])
+            w.writerow(["index", "teacher_divergence", "correct", "response_len", "response"]
+                       + (["task"] if self.task is not None else []))
+            tasks = self.task if self.task is not None else [None] * len(self.index)
+            for row in zip(self.index, self.teacher_divergence, self.correct, self.response_len, self.responses, tasks):
+                w.writerow([int(row[0]), f"{row[1]:.6g}", int(row[2]), int(row[3]), row[4]]
+                           + ([row[5]] if row[5] is not None else []))
         summary = self.summary()
         (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def _means(divergence, correct, response_len) -> dict[str, float]:
+    scored = np.isfinite(divergence)  # a cross-tokenizer response that did not align: NaN
+    out = {"teacher_divergence": float(divergence[scored].mean()) if scored.any() else float("nan"),
+           "accuracy": float(correct.mean()), "response_len": float(response_len.mean()),
+           "num_problems": int(len(divergence))}
+    if not scored.all():
+        out["misaligned"] = int((~scored).sum())
+    return out
 
 
 def _chunked_pair_kl(s_hidden_BxNxD, t_hidden_BxNxD, s_head, t_head, chunk: int, temperature: float):
@@ -90,6 +105,48 @@ def teacher_divergence_BxN(student_params, teacher_params, tokens_BxT, attn_mask
     return _chunked_pair_kl(hs, ht, head_params(student_params), head_params(teacher_params), chunk, temperature)
 
 
+@functools.partial(jax.jit, static_argnames=("s_cfg", "t_cfgs", "log_weights", "n_response", "chunk", "temperature"))
+def mixture_divergence_BxN(student_params, teachers_params, tokens_BxT, attn_mask_BxT, *, s_cfg: ModelConfig,
+                           t_cfgs: tuple[ModelConfig, ...], log_weights: tuple[float, ...], n_response: int,
+                           chunk: int = 64, temperature: float = 1.0):
+    """Per response position, the full-vocab KL(student ‖ mixture) with log p_mix = logsumexp_i(log w_i +
+    log p_i) over the teachers (`opd.teachers`, routing=mixture)."""
+    s_head = head_params(student_params)
+    heads = [head_params(p) for p in teachers_params]
+    inputs = {"s": transformer.response_hidden(student_params, s_cfg, tokens_BxT, attn_mask_BxT, n_response)}
+    for i, (p, c) in enumerate(zip(teachers_params, t_cfgs)):
+        inputs[f"t{i}"] = transformer.response_hidden(p, c, tokens_BxT, attn_mask_BxT, n_response)
+
+    def one(inp):
+        ls = transformer.logits_from_hidden(s_head, inp["s"]) / temperature
+        parts = [jax.nn.log_softmax(transformer.logits_from_hidden(h, inp[f"t{i}"]) / temperature, axis=-1) + w
+                 for i, (h, w) in enumerate(zip(heads, log_weights))]
+        return {"kl": reverse_kl(ls, jax.nn.logsumexp(jnp.stack(parts), axis=0))}
+
+    return chunked_map(one, inputs, chunk)["kl"]
+
+
+def routed_divergence_B(student_params, teacher_params, task_id_B, *, s_cfg, t_cfgs, routing, tokens, attn, n_response,
+                        temperature: float) -> np.ndarray:
+    """Per row, the mean divergence over its response against its task's teacher (`Routing.eval_teacher`): every
+    teacher that some row needs runs on the whole batch, and each row keeps its own."""
+    targets = np.asarray([routing.eval_teacher(int(t)) for t in task_id_B], object)
+    resp_mask = attn[:, -n_response:]
+    out = np.full(len(task_id_B), np.nan)
+    for target in dict.fromkeys(targets.tolist()):
+        if target is None:
+            kl = mixture_divergence_BxN(student_params, tuple(teacher_params), tokens, attn, s_cfg=s_cfg,
+                                        t_cfgs=tuple(t_cfgs), log_weights=routing.log_weights, n_response=n_response,
+                                        temperature=temperature)
+        else:
+            kl = teacher_divergence_BxN(student_params, teacher_params[target], tokens, attn, s_cfg=s_cfg,
+                                        t_cfg=t_cfgs[target], n_response=n_response, temperature=temperature)
+        rows = targets == target
+        kl = np.asarray(kl)[rows]
+        out[rows] = (kl * resp_mask[rows]).sum(1) / np.maximum(resp_mask[rows].sum(1), 1)
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("t_cfg", "temperature"))
 def _teacher_text_logprobs(teacher_params, cross, *, t_cfg: ModelConfig, temperature: float):
     """log p_teacher of each row's aligned response (text + end of turn), its own tokenization."""
@@ -117,24 +174,30 @@ def cross_divergence_B(cross_teacher, teacher_params, t_cfg: ModelConfig, batch,
 
 def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cfg: ModelConfig, tokenizer,
                      data_cfg: DataConfig, sampling: SamplingConfig, seed: int, max_problems: int,
-                     desc: str = "eval", cross=None) -> EvalResult:
-    """Sample one response per held-out problem (randomness keyed by the problem id), then score it."""
+                     desc: str = "eval", cross=None, routing=None) -> EvalResult:
+    """Sample one response per held-out problem (randomness keyed by the problem id), then score it. With
+    `data.mix`, the first `max_problems` of each task, each graded by its task; with several teachers
+    (`routing`; `teacher_params` and `t_cfg` tuples), each row's divergence is to its task's teacher."""
     sampler = Sampler(s_cfg, dataclasses.replace(sampling, return_full_logprobs=False))
-    is_correct = TASKS[data_cfg.task].is_correct
-    idx, kls, correct, lens, texts = [], [], [], [], []
-    total = min(max_problems, len(load_problems(data_cfg, "heldout")))
+    sources = task_sources(data_cfg)
+    idx, kls, correct, lens, texts, tasks = [], [], [], [], [], []
+    total = sum(min(max_problems, len(s.problems(data_cfg, "heldout"))) for s in sources)
     bar = tqdm(total=total, desc=desc, dynamic_ncols=True, leave=False)
-    for batch in heldout_dataset(data_cfg, tokenizer):
-        keep = batch["valid"] & (batch["index"] < max_problems)
+    for batch in heldout_dataset(data_cfg, tokenizer, max_problems=max_problems):
+        keep = batch["valid"]
         if not keep.any():
             break
         prompts = [list(p[m.astype(bool)]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
-        out = sampler.generate(student_params, prompts, seed=seed, first_index=int(batch["index"][0]))
+        out = sampler.generate(student_params, prompts, seed=seed, row_ids=batch["index"])
         N = out.tokens_BxN.shape[1]
         tokens = np.concatenate([batch["prompt_tokens"], out.tokens_BxN], axis=1)
         resp_mask = out.response_mask_BxN
         attn = np.concatenate([batch["prompt_mask"].astype(bool), resp_mask], axis=1)
-        if cross is None:
+        if routing is not None:
+            per_problem = routed_divergence_B(student_params, teacher_params, batch["task_id"], s_cfg=s_cfg,
+                                              t_cfgs=t_cfg, routing=routing, tokens=tokens, attn=attn, n_response=N,
+                                              temperature=sampling.temperature)
+        elif cross is None:
             kl = np.asarray(teacher_divergence_BxN(student_params, teacher_params, tokens, attn, s_cfg=s_cfg,
                                                    t_cfg=t_cfg, n_response=N, temperature=sampling.temperature))
             per_problem = (kl * resp_mask).sum(1) / np.maximum(resp_mask.sum(1), 1)
@@ -144,12 +207,14 @@ def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cf
             text = tokenizer.decode(out.tokens_BxN[b, :out.lengths_B[b]], skip_special_tokens=True)
             idx.append(int(batch["index"][b]))
             kls.append(float(per_problem[b]))
-            correct.append(is_correct(text, str(batch["answer"][b])))
+            correct.append(sources[int(batch["task_id"][b])].task.is_correct(text, str(batch["answer"][b])))
             lens.append(int(out.lengths_B[b]))
             texts.append(text)
+            tasks.append(str(batch["task"][b]))
         bar.update(int(keep.sum()))
     bar.close()
-    return EvalResult(np.asarray(idx), np.asarray(kls), np.asarray(correct, bool), np.asarray(lens), texts)
+    return EvalResult(np.asarray(idx), np.asarray(kls), np.asarray(correct, bool), np.asarray(lens), texts,
+                      tasks if len(sources) > 1 else None)
 
 
 def compare_table(before: dict[str, Any], after: dict[str, Any]) -> str:

@@ -20,13 +20,14 @@ from tqdm.auto import tqdm
 
 from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import special_token_ids
-from jopd.losses.objectives import OBJECTIVES
+from jopd.losses.objectives import OBJECTIVES, per_task_means
 from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
 from jopd.opd.evaluate import compare_table, evaluate_heldout
 from jopd.opd.guards import RunGuard, loggable
 from jopd.opd.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.cross_teacher import CrossTeacher, misaligned_summary
-from jopd.opd.model_sources import check_compatible, get_model, precheck_sources, run_tokenizer, teacher_tokenizer
+from jopd.opd.model_sources import (check_compatible, get_model, get_teachers, precheck_sources, run_tokenizer,
+                                   teacher_tokenizer)
 from jopd.opd.run_config import RunConfig, to_yaml
 from jopd.opd.step import OPDStep, build_step
 from jopd.opd.train_state import TrainState
@@ -58,14 +59,19 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
         raise ValueError(f"RunConfig.loss.top_k={cfg.loss.top_k}: larger than the vocabulary ({len(tokenizer)} "
                          f"tokens)")
     t_tok = teacher_tokenizer(cfg)  # the student's, unless loss.cross_tokenizer
-    teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, t_tok)
+    if cfg.teachers:  # several: a tuple of each, in `teachers` order (`opd.teachers`)
+        teacher_cfg, teacher_params, t_from = get_teachers(cfg, t_tok)
+        t_from = ", ".join(f"{t.name} {where}" for t, where in zip(cfg.teachers, t_from))
+    else:
+        teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, t_tok)
     student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
     cross = None
     if cfg.loss.cross_tokenizer == "off":
-        check_compatible(student_cfg, teacher_cfg, None, None)
+        for i, t_cfg in enumerate(teacher_cfg if cfg.teachers else (teacher_cfg,)):
+            check_compatible(student_cfg, t_cfg, None, None, f"teachers[{i}]" if cfg.teachers else "teacher")
     else:
         cross = CrossTeacher.make(tokenizer, t_tok, student_cfg, teacher_cfg, cfg.data.system_prompt)
-    log(f"teacher: {t_from}  student: {s_from}")
+    log(f"teacher{'s' if cfg.teachers else ''}: {t_from}  student: {s_from}")
     step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer, cross)
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
     # the starting student as loaded, also on resume (the restored state replaces only the trained copy)
@@ -83,8 +89,21 @@ def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
     res = evaluate_heldout(params, teacher, s_cfg=run.step.student_cfg, t_cfg=run.step.teacher_cfg,
                            tokenizer=run.tokenizer, data_cfg=cfg.data, sampling=eval_sampling,
                            seed=cfg.train.eval_seed, max_problems=cfg.train.eval_problems, desc=f"eval {name}",
-                           cross=run.step.cross)
+                           cross=run.step.cross, routing=run.step.routing)
     return res.save(out_dir / "eval", name)
+
+
+def per_task_rollout(names, task_id_B: np.ndarray, lengths_B: np.ndarray, rewards_B: np.ndarray | None
+                     ) -> dict[str, float]:
+    """Each task's mean response length (and reward) in a step: `task/<name>/response_len`, `.../reward`."""
+    out = {}
+    for t, name in enumerate(names):
+        rows = np.asarray(task_id_B) == t
+        if rows.any():
+            out[f"task/{name}/response_len"] = float(lengths_B[rows].mean())
+            if rewards_B is not None:
+                out[f"task/{name}/reward"] = float(rewards_B[rows].mean())
+    return out
 
 
 # `train.probe_every`'s measurement, built once per run: (run) -> (student params -> metrics logged as probe/*).
@@ -144,7 +163,7 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
         """Log step n-1's metrics (read while step n runs); returns why the run must stop, if it must."""
         step, metrics, t0, rollout = pending
         out, batch, reward = rollout.sample, rollout.host_batch, rollout.rewards_B
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        m = per_task_means({k: float(v) for k, v in jax.device_get(metrics).items()})
         lengths = np.asarray(jax.device_get(out.lengths_B))
         tokens = np.asarray(jax.device_get(out.tokens_BxN))
         if reward is not None:  # RL kinds (their entropy, clip_frac, ratio_mean, kl_ref come from the update)
@@ -159,6 +178,9 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
         m |= {"response_len": float(lengths.mean()), "step_time_s": dt,
               "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
         m["rollout_useful_frac"] = rollout.useful_fraction(lengths)  # of the sampler's slot-steps
+        if opd.loss_cfg.task_names:  # several tasks: each one's responses (and rewards)
+            m |= per_task_rollout(opd.loss_cfg.task_names, batch["task_id"], lengths,
+                                  None if reward is None else np.asarray(jax.device_get(reward)))
         if rollout.cross_reasons:  # a teacher with another tokenizer: rollouts it could not align are counted
             failed = [r for r in rollout.cross_reasons if r is not None]
             m["xtok_misaligned_frac"] = len(failed) / len(rollout.cross_reasons)

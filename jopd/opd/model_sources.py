@@ -5,6 +5,7 @@ rejected here, before any compute.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jopd.data.toy_tokenizer import build_toy_tokenizer
@@ -13,7 +14,10 @@ from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.models.families import FAMILIES
 from jopd.opd import warm_start
-from jopd.opd.run_config import ModelSource, RunConfig
+from jopd.data.mixture import task_sources
+from jopd.data.pipeline import DataConfig
+from jopd.data.tasks import TASKS
+from jopd.opd.run_config import ModelSource, RunConfig, TeacherSource
 
 
 def _own_tokenizer(src: ModelSource):
@@ -25,8 +29,8 @@ def _own_tokenizer(src: ModelSource):
 
 def run_tokenizer(cfg: RunConfig):
     """The student's tokenizer, which formats the prompts and decodes the rollouts. Without loss.cross_tokenizer
-    both models share it: the teacher's, else the student's, else the toy one."""
-    sources = (cfg.student,) if cfg.loss.cross_tokenizer != "off" else (cfg.teacher, cfg.student)
+    the models share it: the (first) teacher's, else the student's, else the toy one."""
+    sources = (cfg.student,) if cfg.loss.cross_tokenizer != "off" else (*cfg.teacher_sources(), cfg.student)
     for src in sources:
         tok = _own_tokenizer(src)
         if tok is not None:
@@ -52,22 +56,43 @@ def testbed_model_config(src: ModelSource, tokenizer) -> ModelConfig:
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
-def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer) -> tuple[ModelConfig, Any, str]:
-    """(model config, params, where it came from) for `role` in {teacher, student}."""
+def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer, data: DataConfig | None = None
+              ) -> tuple[ModelConfig, Any, str]:
+    """(model config, params, where it came from) for `role` in {teacher, student}. `data`: what its SFT warm
+    start trains on (default: the run's data)."""
     dtype = DTYPES[src.dtype]
+    data = cfg.data if data is None else data
     if src.path is not None:
         load = lambda: io.load_params(src.path, dtype=dtype, num_layers=src.num_layers)
         if src.resolved_warm_start().steps > 0:  # fine-tune the checkpoint on the task first (cached)
-            return warm_start.sft_model(role, src, cfg, tokenizer, load)
+            return warm_start.sft_model(role, src, cfg, tokenizer, load, data)
         cut = f" (first {src.num_layers} layers)" if src.num_layers else ""
         return *load(), f"{io.resolve_model_path(src.path)}{cut}"
-    return warm_start.testbed_model(role, src, cfg, testbed_model_config(src, tokenizer), tokenizer)
+    return warm_start.testbed_model(role, src, cfg, testbed_model_config(src, tokenizer), tokenizer, data)
+
+
+def teacher_data(cfg: RunConfig, src: TeacherSource) -> DataConfig:
+    """What a teacher's SFT warm start trains on: its `tasks` alone (one registered task as `data.task`, so the
+    specialist is the same cached model a single-task run makes), else the run's whole stream."""
+    if not src.tasks:
+        return cfg.data
+    if len(src.tasks) == 1 and src.tasks[0] in TASKS.names():
+        return dataclasses.replace(cfg.data, task=src.tasks[0], mix={})
+    weights = {s.name: s.weight for s in task_sources(cfg.data)}
+    return dataclasses.replace(cfg.data, mix={t: weights[t] for t in src.tasks})
+
+
+def get_teachers(cfg: RunConfig, tokenizer) -> tuple[tuple[ModelConfig, ...], tuple[Any, ...], list[str]]:
+    """Every teacher of the run (`teachers`, or `teacher`), each made or loaded like the one teacher."""
+    out = [get_model("teacher", src, cfg, tokenizer, teacher_data(cfg, src)) for src in cfg.teacher_sources()]
+    return tuple(o[0] for o in out), tuple(o[1] for o in out), [o[2] for o in out]
 
 
 def precheck_sources(cfg: RunConfig) -> None:
     """Cheap checks on configs/metadata only (no weights read): files exist, vocabularies agree."""
     cfgs = {}
-    for role, src in (("teacher", cfg.teacher), ("student", cfg.student)):
+    roles = [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
+    for role, src in roles + [("student", cfg.student)]:
         if src.path is not None:
             if not io.resolve_model_path(src.path).exists():
                 raise FileNotFoundError(f"RunConfig.{role}.path: {src.path} does not exist")
@@ -85,19 +110,24 @@ def precheck_sources(cfg: RunConfig) -> None:
             crosstok.check_pair(run_tokenizer(cfg), teacher_tokenizer(cfg))
         except crosstok.PairError as e:
             raise ValueError(f"RunConfig.loss.cross_tokenizer: {e}") from None
-    elif len(cfgs) == 2:
-        check_compatible(cfgs["student"], cfgs["teacher"], None, None)
-        check_compatible(cfgs["student"], cfgs["teacher"], run_tokenizer(cfg), teacher_tokenizer(cfg))
+    elif "student" in cfgs:
+        for role, _ in roles:
+            if role in cfgs:
+                check_compatible(cfgs["student"], cfgs[role], None, None, role)
+                check_compatible(cfgs["student"], cfgs[role], run_tokenizer(cfg),
+                                 _own_tokenizer(dict(roles)[role]) or teacher_tokenizer(cfg), role)
 
 
-def check_compatible(student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_tok, teacher_tok) -> None:
-    """Distillation compares distributions token by token: the two models must share the vocabulary."""
+def check_compatible(student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_tok, teacher_tok,
+                     role: str = "teacher") -> None:
+    """Distillation compares distributions token by token: the two models must share the vocabulary. `role`
+    names the teacher in the error (`teachers[1]` of several)."""
     if student_cfg.vocab_size != teacher_cfg.vocab_size:
-        raise ValueError(f"teacher/student vocab mismatch: teacher vocab_size={teacher_cfg.vocab_size}, "
+        raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={teacher_cfg.vocab_size}, "
                          f"student vocab_size={student_cfg.vocab_size} (a teacher with another tokenizer: set "
                          f"loss.cross_tokenizer)")
     if student_tok is not None and teacher_tok is not None:
         if student_tok.get_vocab() != teacher_tok.get_vocab():
-            raise ValueError("teacher/student tokenizer mismatch: same size but different token ids")
+            raise ValueError(f"{role}/student tokenizer mismatch: same size but different token ids")
         if (student_tok.chat_template or "") != (teacher_tok.chat_template or ""):
-            raise ValueError("teacher/student chat_template mismatch: prompts would be formatted differently")
+            raise ValueError(f"{role}/student chat_template mismatch: prompts would be formatted differently")

@@ -31,9 +31,12 @@ class RLTrainState(TrainState):
     reward_ema: jax.Array  # float32 scalar: EMA (from 0) of the batch-mean rewards of the steps so far
 
 
-def correctness_rewards(task: Task, responses: Sequence[str], answers: Sequence[str]) -> Float[np.ndarray, "B"]:
-    """The task's reward of each response (default: 1 if its final answer is right, else 0)."""
-    return np.asarray([task.reward_of(r, str(a)) for r, a in zip(responses, answers)], np.float32)
+def correctness_rewards(task: Task | Sequence[Task], responses: Sequence[str], answers: Sequence[str]
+                        ) -> Float[np.ndarray, "B"]:
+    """The task's reward of each response (default: 1 if its final answer is right, else 0); `task` may give
+    each row's own task (a mix of tasks)."""
+    tasks = [task] * len(responses) if isinstance(task, Task) else task
+    return np.asarray([t.reward_of(r, str(a)) for t, r, a in zip(tasks, responses, answers)], np.float32)
 
 
 def uses_running_baseline(objective: Objective, cfg: RLConfig) -> bool:

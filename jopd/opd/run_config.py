@@ -78,6 +78,19 @@ class ModelSource:
 
 
 @config_dataclass
+class TeacherSource(ModelSource):
+    """One of several teachers (`RunConfig.teachers`): a model source with a name, the tasks it teaches and its
+    weight in a mixture."""
+
+    name: str = ""  # required: how `routing`, the logs and the evals name it
+    # The `data.mix` tasks it owns: under routing=task it scores their rows; the held-out eval measures their rows'
+    # teacher divergence against it; a testbed recipe or fine-tune (`warm_start`) trains on them alone. Empty: the
+    # run's whole stream.
+    tasks: tuple[str, ...] = ()
+    weight: float = pydantic.Field(1.0, gt=0)  # its weight under routing=mixture
+
+
+@config_dataclass
 class TrainConfig:
     steps: int = pydantic.Field(100, ge=0)  # OPD updates
     seed: int = 0
@@ -127,6 +140,13 @@ class RunConfig:
     plugins: tuple[str, ...] = ()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
+    # Several teachers (`jopd.opd.teachers`), instead of `teacher`; each is loaded, sharded and held like it.
+    teachers: tuple[TeacherSource, ...] = ()
+    # Which teacher scores a row (with `teachers`): `task`, the teacher that lists the row's task (each teacher runs
+    # on its own rows only); `mixture`, every teacher on every row, the loss against their mixture
+    # p(v) = sum_i w_i p_i(v) / sum_i w_i; or a teacher's name, that teacher on every row (the others are the
+    # held-out eval's references for their tasks: a single-teacher baseline on the same footing).
+    routing: str = "task"
     data: DataConfig = DataConfig()
     sampling: SamplingConfig = SamplingConfig()
     rollout_precision: PrecisionConfig = PrecisionConfig()
@@ -136,6 +156,55 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
+
+    def __post_init__(self):
+        if self.teachers:
+            _check_teachers(self)
+
+    def teacher_sources(self) -> tuple[TeacherSource, ...]:
+        """The run's teachers: `teachers`, or `teacher` alone (named "teacher")."""
+        if self.teachers:
+            return self.teachers
+        return (TeacherSource(**{f.name: getattr(self.teacher, f.name) for f in dataclasses.fields(ModelSource)},
+                              name="teacher"),)
+
+
+def _check_teachers(cfg: RunConfig) -> None:
+    """`teachers` against the rest of the config: names, routing, and (routing=task) one teacher per task."""
+    from jopd.data.mixture import task_sources
+
+    if cfg.teacher != ModelSource():
+        raise ConfigError("teacher: set `teacher` or `teachers`, not both")
+    names = [t.name for t in cfg.teachers]
+    for i, name in enumerate(names):
+        if not name:
+            raise ConfigError(f"teachers[{i}].name: every teacher needs a name")
+        if name in names[:i] or name in ("task", "mixture"):
+            raise ConfigError(f"teachers[{i}].name: {name!r} is taken (names are unique, and not task / mixture)")
+    if cfg.routing not in ("task", "mixture", *names):
+        raise ConfigError(f"routing: {cfg.routing!r} is not task, mixture or a teacher's name ({', '.join(names)})")
+    if cfg.loss.cross_tokenizer != "off":
+        raise ConfigError(f"teachers: not with loss.cross_tokenizer={cfg.loss.cross_tokenizer} (one teacher of "
+                         f"another tokenizer: `teacher`)")
+    tasks = [s.name for s in task_sources(cfg.data)]
+    owner: dict[str, str] = {}
+    for i, t in enumerate(cfg.teachers):
+        for task in t.tasks:
+            if task not in tasks:
+                raise ConfigError(f"teachers[{i}].tasks: {task!r} is not one of the run's tasks ({', '.join(tasks)}; "
+                                 f"data.mix or data.task)")
+            if task in owner:
+                raise ConfigError(f"teachers[{i}].tasks: {task!r} already belongs to teacher {owner[task]!r}")
+            owner[task] = t.name
+    if cfg.routing == "task":
+        missing = [task for task in tasks if task not in owner]
+        if missing:
+            raise ConfigError(f"routing: task needs a teacher for every task; {', '.join(map(repr, missing))} has "
+                             f"none (list it in one teacher's `tasks`)")
+        idle = [t.name for t in cfg.teachers if not t.tasks]
+        if idle:
+            raise ConfigError(f"routing: task leaves teacher(s) {', '.join(map(repr, idle))} without rows (give them "
+                             f"`tasks`, or route by mixture)")
 
 
 def _parse_value(text: str) -> Any:

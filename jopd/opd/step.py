@@ -41,14 +41,14 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jopd.data.tasks import TASKS
+from jopd.data.mixture import task_sources
 from jopd.losses import LossConfig
 from jopd.losses.chunked import head_params
 from jopd.losses.objectives import OBJECTIVES, Objective, needs_reference
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.opd import packing, rewards
+from jopd.opd import packing, rewards, teachers
 from jopd.opd.cross_teacher import CrossBatch, CrossTeacher
 from jopd.opd.batch import RolloutArrays, TrainBatch
 from jopd.opd.optim import make_optimizer
@@ -77,7 +77,7 @@ def weight_sync_key(rng: jax.Array, step: int | jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
     student: Any  # trainer layout of the student params
-    teacher: Any  # the teacher params (train rules: it is held all run long)
+    teacher: Any  # the teacher params (train rules: it is held all run long); a tuple with several teachers
     sampler_params: Any  # rollout layout of the student, layers unstacked (what the weight sync returns)
     state: TrainState  # the train state's, from eval_shape of the initial state
     batch: NamedSharding  # leading dim over data x fsdp; its rank-1 spec fits every batch leaf of rank >= 1
@@ -131,8 +131,8 @@ class Rollout:
 
 def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
     """Fill run-dependent loss fields: the masked target tokens (`train.mask`, from the tokenizer; EOS is always
-    trained, so the student keeps learning when to stop), and the sampler's temperature (the loss compares
-    distributions at it)."""
+    trained, so the student keeps learning when to stop), the sampler's temperature (the loss compares
+    distributions at it), and the run's tasks when it mixes several (per-task metrics)."""
     from jopd.data.toy_tokenizer import special_token_ids
 
     special, template = cfg.loss.special_token_ids, cfg.loss.template_token_ids
@@ -144,8 +144,9 @@ def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
         if unknown:
             raise ValueError(f"RunConfig.train.template_tokens: {unknown} not in the tokenizer's vocabulary")
         template = tuple(sorted({vocab[t] for t in cfg.train.template_tokens} - {tokenizer.eos_token_id}))
+    tasks = tuple(s.name for s in task_sources(cfg.data))
     loss = dataclasses.replace(cfg.loss, special_token_ids=special, template_token_ids=template,
-                               temperature=cfg.sampling.temperature)
+                               temperature=cfg.sampling.temperature, task_names=tasks if len(tasks) > 1 else ())
     return cross_tokenizer_loss(loss)
 
 
@@ -205,6 +206,7 @@ class OPDStep:
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
     repeat_fn: Any  # jit: (prompt_UxP, mask_UxP) -> each prompt G times, rows r*G .. r*G+G-1 (the scored layout)
     cross: CrossTeacher | None = None  # a teacher with another tokenizer: the rollout is aligned to it on the host
+    routing: teachers.Routing | None = None  # several teachers (`teacher_cfg` then a tuple): who scores which rows
 
     # -- sizes ------------------------------------------------------------------------------------------
 
@@ -218,6 +220,11 @@ class OPDStep:
         holds whole groups), else 1 (each row prefills its own copy: 4 prompts x 16 samples on 8 shards)."""
         G = self.rollouts_per_prompt
         return G if self.cfg.data.batch_size % self.sampler.shards == 0 else 1
+
+    @property
+    def local_shards(self) -> int:
+        """Batch shards of this process's rows."""
+        return max(1, self.sampler.shards // jax.process_count())
 
     @property
     def rollout_rows(self) -> int:
@@ -256,9 +263,16 @@ class OPDStep:
         copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.student)
         return copy(jax.device_put(params, self.shardings.student))
 
+    @property
+    def teacher_cfgs(self) -> tuple[ModelConfig, ...]:
+        """Every teacher's config (one, or `teachers`' in order)."""
+        return self.teacher_cfg if isinstance(self.teacher_cfg, tuple) else (self.teacher_cfg,)
+
     def abstract_teacher(self):
-        params = transformer.abstract_params(self.teacher_cfg, DTYPES[self.cfg.teacher.dtype])
-        return meshlib.sharded_abstract(params, self.shardings.teacher)
+        """ShapeDtypeStructs of the teacher params (a tuple of them with several teachers), with their shardings."""
+        params = tuple(transformer.abstract_params(c, DTYPES[src.dtype])
+                       for c, src in zip(self.teacher_cfgs, self.cfg.teacher_sources()))
+        return meshlib.sharded_abstract(params if self.routing is not None else params[0], self.shardings.teacher)
 
     # -- the step ---------------------------------------------------------------------------------------
 
@@ -267,6 +281,9 @@ class OPDStep:
         `rollouts_per_prompt` samples of each prompt (rows r*G .. r*G+G-1), its prefill shared."""
         G, shared = self.rollouts_per_prompt, self.prefill_group
         local_prompts = batch["prompt_tokens"].shape[0]
+        if self.routing is not None and self.routing.mode == "task":  # each shard's rows teacher by teacher
+            order = teachers.shard_order(batch["task_id"], self.routing, self.local_shards)
+            batch = {k: v[order] for k, v in batch.items()}
         batch = rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
         local_rows = local_prompts * G
         sampler_params = self.sync_fn(state.params, weight_sync_key(state.rng, step))
@@ -281,6 +298,8 @@ class OPDStep:
         iterations, sample = sample.decode_iterations, sample._replace(decode_iterations=None)
         prompt, mask = (prompt_UxP, mask_UxP) if shared == 1 else self.repeat_fn(prompt_UxP, mask_UxP)
         arrays, ema = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=mask, sample=sample), None
+        if self.loss_cfg.task_names:  # several tasks: each row's, for the per-task metrics
+            arrays = arrays.replace(task_B=host_local_to_global(batch["task_id"].astype(np.int32), self.shardings.batch))
         if self.objective.uses_rewards:
             r, adv, ema = self._rewards(sample, batch, state)
             arrays = arrays.replace(rewards_B=r, advantages_B=adv)
@@ -296,7 +315,7 @@ class OPDStep:
         the scoring waits for the sampler anyway), as global arrays: each batch shard packs its own rows."""
         lengths = np.asarray(self.local_rows(rollout.sample.lengths_B))
         prompt_lens = np.asarray(rollout.host_batch["prompt_mask"]).astype(bool).sum(axis=1)
-        shards = max(1, self.sampler.shards // jax.process_count())
+        shards = self.local_shards
         plan = packing.plan_packing(prompt_lens, lengths, rollout.prompt_BxP.shape[1],
                                     self.sampler.sampling.max_new_tokens, shards=shards,
                                     width=self.cfg.train.pack_width)
@@ -326,6 +345,8 @@ class OPDStep:
         if teacher_params is None:
             raise ValueError(f"RunConfig.loss.kind={self.loss_cfg.kind}: OPDStep.update needs the teacher params (its "
                              f"LM head projects the teacher's hidden states chunk by chunk)")
+        if self.routing is not None:  # routing to one teacher (full-vocabulary kinds): its head
+            teacher_params = teacher_params[self.routing.scorer]
         return self.update_fn(state, batch, head_params(teacher_params))
 
     def __call__(self, state: TrainState, teacher_params, batch: dict[str, np.ndarray], step: int,
@@ -369,7 +390,8 @@ class OPDStep:
         global batch's mean reward; else None)."""
         tokens, lengths = (np.asarray(x) for x in self.local_rows((sample.tokens_BxN, sample.lengths_B)))
         texts = [self.tokenizer.decode(t[:n], skip_special_tokens=True) for t, n in zip(tokens, lengths)]
-        reward_B = rewards.correctness_rewards(TASKS[self.cfg.data.task], texts, batch["answer"])
+        sources = task_sources(self.cfg.data)
+        reward_B = rewards.correctness_rewards([sources[i].task for i in batch["task_id"]], texts, batch["answer"])
         running, ema = None, None
         if self.uses_running_baseline:
             decay = self.cfg.rl.baseline_decay
@@ -392,7 +414,7 @@ def rollouts_per_prompt(cfg: RunConfig) -> int:
     return cfg.sampling.samples_per_prompt
 
 
-def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
+def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[ModelConfig, ...], mesh,
                    optimizer: optax.GradientTransformation, running_baseline: bool = False) -> StepShardings:
     train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
     student = meshlib.param_shardings(s_cfg, mesh, train_rules)
@@ -409,8 +431,10 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh,
     # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
     meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size * rollouts_per_prompt(cfg),),
                            where="data.batch_size")
+    teacher = tuple(meshlib.param_shardings(c, mesh, train_rules) for c in t_cfg) if isinstance(t_cfg, tuple) else \
+        meshlib.param_shardings(t_cfg, mesh, train_rules)
     return StepShardings(
-        student=student, teacher=meshlib.param_shardings(t_cfg, mesh, train_rules), sampler_params=sampler_params,
+        student=student, teacher=teacher, sampler_params=sampler_params,
         state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
         cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"])
 
@@ -421,14 +445,26 @@ def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Arr
     return RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32)) if running_baseline else state
 
 
-def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tokenizer=None,
-               cross: CrossTeacher | None = None) -> OPDStep:
+def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[ModelConfig, ...], mesh,
+               tokenizer=None, cross: CrossTeacher | None = None) -> OPDStep:
     """The step of `cfg`: its loss config is `cfg.loss` resolved against the run (`resolve_loss_config`: masks
     from `tokenizer`, the sampler's temperature) — one config path, so a caller that wants another loss passes
     another `cfg`. `tokenizer` (the student's) also decodes responses for the RL kinds' rewards (None: no
-    masks, no rewards). `cross`: a teacher with another tokenizer (`loss.cross_tokenizer`; `cross_teacher`)."""
+    masks, no rewards). `cross`: a teacher with another tokenizer (`loss.cross_tokenizer`; `cross_teacher`).
+    With `cfg.teachers`, `t_cfg` is their configs in order (`opd.teachers`)."""
     loss_cfg = resolve_loss_config(cfg, tokenizer)
     objective = OBJECTIVES[loss_cfg.kind]
+    if isinstance(t_cfg, tuple) != bool(cfg.teachers) or (cfg.teachers and len(t_cfg) != len(cfg.teachers)):
+        raise ValueError(f"build_step: {len(cfg.teachers)} teachers in RunConfig.teachers, but t_cfg is "
+                         f"{'a tuple of ' + str(len(t_cfg)) if isinstance(t_cfg, tuple) else 'one ModelConfig'}")
+    several = cfg.teachers and cfg.routing in ("task", "mixture") and len(cfg.teachers) > 1
+    if several and (objective.needs_teacher_hidden or objective.reads_teacher_head):
+        raise ValueError(f"RunConfig.routing={cfg.routing}: loss.kind={loss_cfg.kind} projects one teacher's hidden "
+                         f"states with its head; with several teachers use a support kind (topk_rkl_tail, "
+                         f"topk_rkl, sampled_opd) or route to one teacher")
+    if several and cfg.train.pack:
+        raise ValueError(f"RunConfig.train.pack: not with routing={cfg.routing} over several teachers (a packed "
+                         f"row mixes rows of different teachers)")
     if (cross is None) != (loss_cfg.cross_tokenizer == "off"):
         raise ValueError(f"RunConfig.loss.cross_tokenizer={loss_cfg.cross_tokenizer}: "
                          + ("needs the teacher's tokenizer (build_step's `cross`)" if cross is None else
@@ -451,19 +487,21 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
                                    return_topk=loss_cfg.top_k if union else 0)
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
                       shardings=SamplerShardings(params=sh.sampler_params, batch=batch, cache=sh.cache))
+    routing = teachers.resolve_routing(cfg, rollouts_per_prompt(cfg), sampler.shards)
     precision = cfg.rollout_precision
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
     dtype = DTYPES[cfg.student.dtype]
     score = functools.partial(score_rollout, teacher_cfg=t_cfg, student_cfg=s_cfg, loss_cfg=loss_cfg,
                               is_logprobs=cfg.train.is_logprobs, dtype=dtype,
-                              cross_table=None if cross is None else cross.table)
+                              cross_table=None if cross is None else cross.table, routing=routing)
     # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
-    in_sh = (sh.state, batch) + ((head_params(sh.teacher),) if objective.reads_teacher_head else ())
+    scorer_sh = sh.teacher[routing.scorer] if routing is not None else sh.teacher
+    in_sh = (sh.state, batch) + ((head_params(scorer_sh),) if objective.reads_teacher_head else ())
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
                         in_shardings=in_sh, out_shardings=(sh.state, None), donate_argnums=0)
     G = rollouts_per_prompt(cfg)
@@ -473,4 +511,5 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh, tok
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
     return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfg=t_cfg, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
                    optimizer=optimizer, shardings=sh, sampler=sampler, tokenizer=tokenizer, sync_fn=sync_fn,
-                   score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn, cross=cross)
+                   score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn, cross=cross,
+                   routing=routing)

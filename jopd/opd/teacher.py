@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jopd.losses import LossBatch, LossConfig
-from jopd.losses.chunked import chunked_logits_map, head_params
+from jopd.losses.chunked import chunked_logits_map, chunked_map, head_params
 from jopd.losses.kinds import OBJECTIVES
 from jopd.losses.objectives import compact_fields
 from jopd.models import transformer
@@ -45,35 +45,82 @@ def teacher_scores(
     """
     hidden = jax.lax.stop_gradient(teacher_hidden_BxTxD)
     params = jax.lax.stop_gradient(head_params(teacher_params))
-    V = (params["lm_head"].shape[-1] if "lm_head" in params else params["embed"].shape[0])
-    if not 1 <= k <= V:
-        raise ValueError(f"teacher top-K: k={k} must be in [1, vocab={V}]")
+    _check_k(k, params)
 
     def fn(logits_BxCxV, inp):
         # top-K of the logits, normalized afterwards: no [B, C, V] log-softmax is materialized
         z = logits_BxCxV / temperature
-        lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-        values, ids = jax.lax.top_k(z, k)
-        ids = ids.astype(jnp.int32)
-        if "extra" in inp:
-            extra = inp["extra"].astype(jnp.int32)
-            ids = jnp.concatenate([ids, extra], axis=-1)
-            values = jnp.concatenate([values, jnp.take_along_axis(z, extra, axis=-1)], axis=-1)
-            K = ids.shape[-1]
-            earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [i, j]: j comes before i
-            repeated = jnp.any((ids[..., :, None] == ids[..., None, :]) & earlier, axis=-1)
-        out = {"teacher_topk_ids_BxTxK": ids, "teacher_topk_logprobs_BxTxK": values - lse}
-        if "extra" in inp:
-            out["support_mask_BxTxK"] = ~repeated
-        if "targets" in inp:
-            t = inp["targets"].astype(jnp.int32)[..., None]
-            out["teacher_target_logprobs_BxT"] = (jnp.take_along_axis(z, t, axis=-1) - lse)[..., 0]
-        return out
+        return support_scores(z, jax.nn.logsumexp(z, axis=-1, keepdims=True), inp, k)
 
+    return chunked_logits_map(fn, params, hidden, _score_inputs(targets_BxT, extra_ids_BxTxE), chunk, dtype=dtype,
+                              remat=False)
+
+
+def _check_k(k: int, head) -> None:
+    V = head["lm_head"].shape[-1] if "lm_head" in head else head["embed"].shape[0]
+    if not 1 <= k <= V:
+        raise ValueError(f"teacher top-K: k={k} must be in [1, vocab={V}]")
+
+
+def _score_inputs(targets_BxT, extra_ids_BxTxE) -> dict[str, jax.Array]:
     inputs = {} if targets_BxT is None else {"targets": targets_BxT}
     if extra_ids_BxTxE is not None:
         inputs["extra"] = extra_ids_BxTxE
-    return chunked_logits_map(fn, params, hidden, inputs, chunk, dtype=dtype, remat=False)
+    return inputs
+
+
+def support_scores(s_BxCxV, lse_BxCx1, inp: Mapping[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """One chunk's `teacher_scores` fields from scores `s` whose log-probs are s - lse (a teacher's logits at the
+    temperature and their logsumexp, or a mixture's log-probs and 0): the top-K, the extra ids and the targets."""
+    values, ids = jax.lax.top_k(s_BxCxV, k)
+    ids = ids.astype(jnp.int32)
+    if "extra" in inp:
+        extra = inp["extra"].astype(jnp.int32)
+        ids = jnp.concatenate([ids, extra], axis=-1)
+        values = jnp.concatenate([values, jnp.take_along_axis(s_BxCxV, extra, axis=-1)], axis=-1)
+        K = ids.shape[-1]
+        earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [i, j]: j comes before i
+        repeated = jnp.any((ids[..., :, None] == ids[..., None, :]) & earlier, axis=-1)
+    out = {"teacher_topk_ids_BxTxK": ids, "teacher_topk_logprobs_BxTxK": values - lse_BxCx1}
+    if "extra" in inp:
+        out["support_mask_BxTxK"] = ~repeated
+    if "targets" in inp:
+        t = inp["targets"].astype(jnp.int32)[..., None]
+        out["teacher_target_logprobs_BxT"] = (jnp.take_along_axis(s_BxCxV, t, axis=-1) - lse_BxCx1)[..., 0]
+    return out
+
+
+def mixture_scores(
+    hiddens: tuple[Float[Array, "B T D"], ...],
+    teachers_params: tuple[Mapping[str, Any], ...],
+    log_weights: tuple[float, ...],
+    *,
+    k: int,
+    chunk: int,
+    targets_BxT: Int[Array, "B T"] | None = None,
+    temperature: float = 1.0,
+    dtype=jnp.float32,
+    extra_ids_BxTxE: Int[Array, "B T E"] | None = None,
+) -> dict[str, jax.Array]:
+    """`teacher_scores` of a weighted mixture of teachers: log p(v) = logsumexp_i(log w_i + log p_i(v)) (weights
+    normalized), each p_i the full softmax of teacher i at `temperature`, computed chunk by chunk (one [B, C, V]
+    per teacher at a time); its top-K, extra ids and targets as `teacher_scores` returns them."""
+    heads = tuple(jax.lax.stop_gradient(head_params(p)) for p in teachers_params)
+    _check_k(k, heads[0])
+    inputs = _score_inputs(targets_BxT, extra_ids_BxTxE)
+    inputs |= {f"_hidden{i}": jax.lax.stop_gradient(h) for i, h in enumerate(hiddens)}
+
+    def fn(inp):
+        inp = dict(inp)
+        parts = []
+        for i, (head, log_w) in enumerate(zip(heads, log_weights)):
+            z = transformer.logits_from_hidden(head, inp.pop(f"_hidden{i}"), dtype=dtype,
+                                               logits_dtype=jnp.float32) / temperature
+            parts.append(jax.nn.log_softmax(z, axis=-1) + log_w)
+        log_p = jax.nn.logsumexp(jnp.stack(parts), axis=0)
+        return support_scores(log_p, jnp.zeros(log_p.shape[:-1] + (1,), log_p.dtype), inp, k)
+
+    return chunked_map(fn, inputs, chunk)
 
 
 def teacher_topk(
@@ -159,13 +206,19 @@ def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: M
 
 def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None, *, teacher_cfg: ModelConfig,
                   student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str, dtype,
-                  cross_table=None) -> TrainBatch:
+                  cross_table=None, routing=None) -> TrainBatch:
     """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
     the response-aligned loss fields: the teacher's, the sampler's log-probs, advantages, the reference's).
-    With `rollout.plan` (`train.pack`), the sequences are packed: the student's input is the packed rows."""
+    With `rollout.plan` (`train.pack`), the sequences are packed: the student's input is the packed rows.
+    With `routing` (several teachers, `opd.teachers`), `teacher_params` and `teacher_cfg` are tuples."""
     sample, plan = rollout.sample, rollout.plan
     layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
-    if rollout.cross is None:
+    if routing is not None:
+        from jopd.opd.teachers import routed_teacher_fields
+
+        teacher = routed_teacher_fields(teacher_params, layout, teacher_cfgs=teacher_cfg, routing=routing,
+                                        loss_cfg=loss_cfg, student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)
+    elif rollout.cross is None:
         teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
                                  student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)
     else:  # a teacher with another tokenizer scores its own sequences; its fields come aligned to the student's
@@ -183,7 +236,8 @@ def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None,
     if reference_params is not None:
         reference = reference_logprobs(reference_params, layout, model_cfg=student_cfg, loss_cfg=loss_cfg, dtype=dtype,
                                        plan=plan)
-    loss = LossBatch(targets_BxT=layout.targets_BxN, response_mask_BxT=layout.response_mask_BxN,
+    task = None if rollout.task_B is None else jnp.broadcast_to(rollout.task_B[:, None], layout.targets_BxN.shape)
+    loss = LossBatch(targets_BxT=layout.targets_BxN, response_mask_BxT=layout.response_mask_BxN, task_BxT=task,
                      sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
                      advantages_BxT=advantages, reference_logprobs_BxT=reference,
                      compact=None if plan is None else plan.compact, **teacher)

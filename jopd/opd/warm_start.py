@@ -21,7 +21,8 @@ import jax
 from tqdm.auto import tqdm
 
 from jopd.data.pipeline import DataConfig, train_iterator
-from jopd.data.tasks import TASKS
+from jopd.data import mixture
+from jopd.data.mixture import batch_rows, task_sources
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
@@ -40,6 +41,8 @@ def cache_root(cfg: RunConfig) -> Path:
 def run_sft(model_cfg: ModelConfig, params, data_cfg: DataConfig, tokenizer, warm: WarmStartConfig,
             desc: str = "sft", dtype=DTYPES["fp32"]):
     """Plain SFT (cross-entropy on the worked solution) with the generic train step; returns the params."""
+    if data_cfg.mix:  # each task's share of an SFT batch must be whole too
+        batch_rows(task_sources(data_cfg), warm.batch_size, f"{desc}: warm_start.batch_size")
     data_cfg = dataclasses.replace(data_cfg, batch_size=warm.batch_size, seed=warm.seed)
     it = train_iterator(data_cfg, tokenizer, kind="sft")
     opt = make_optimizer(OptimConfig(learning_rate=warm.learning_rate, warmup_steps=warm.warmup_steps,
@@ -69,7 +72,7 @@ def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str
     fields = {
         "v": _FORMAT_VERSION, "role": role, "warm": dataclasses.asdict(src.resolved_warm_start()),
         "dtype": src.dtype,
-        "task": TASKS[data_cfg.task].cache_key(data_cfg), "lens": [data_cfg.max_prompt_len, data_cfg.max_response_len],
+        "task": mixture.cache_key(data_cfg), "lens": [data_cfg.max_prompt_len, data_cfg.max_response_len],
         "system": data_cfg.system_prompt, "vocab": sorted(tokenizer.get_vocab().items()),
         "template": tokenizer.chat_template,
     }
@@ -82,17 +85,20 @@ def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str
 
 
 def sft_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer,
-              initial: Callable[[], tuple[ModelConfig, Any]]) -> tuple[ModelConfig, Any, str]:
-    """(model config, params, where from): the cached entry, or `initial()` trained by SFT now (then cached)."""
+              initial: Callable[[], tuple[ModelConfig, Any]], data: DataConfig | None = None
+              ) -> tuple[ModelConfig, Any, str]:
+    """(model config, params, where from): the cached entry, or `initial()` trained by SFT on `data` (default:
+    the run's) now (then cached)."""
     dtype = DTYPES[src.dtype]
+    data = cfg.data if data is None else data
     prefix = "testbed" if src.path is None else "sft"
-    model_dir = cache_root(cfg) / f"{prefix}-{role}-{sft_key(role, src, cfg.data, tokenizer)}"
+    model_dir = cache_root(cfg) / f"{prefix}-{role}-{sft_key(role, src, data, tokenizer)}"
     if (model_dir / "config.json").is_file():
         model_cfg, params = io.load_params(model_dir, dtype=dtype)
         return model_cfg, params, f"{model_dir} (cached)"
     model_cfg, params = initial()
-    params = run_sft(model_cfg, params, cfg.data, tokenizer, src.resolved_warm_start(), desc=f"SFT {role}",
-                     dtype=dtype)
+    name = getattr(src, "name", "") or role
+    params = run_sft(model_cfg, params, data, tokenizer, src.resolved_warm_start(), desc=f"SFT {name}", dtype=dtype)
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     io.save_hf(jax.device_get(params), model_cfg, tmp, tokenizer=tokenizer)
@@ -100,9 +106,9 @@ def sft_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer,
     return model_cfg, params, f"{model_dir} (trained now)"
 
 
-def testbed_model(role: str, src: ModelSource, cfg: RunConfig, model_cfg: ModelConfig, tokenizer
-                  ) -> tuple[ModelConfig, Any, str]:
-    """A testbed model: `model_cfg` initialized at random, then SFT (or its cached result)."""
+def testbed_model(role: str, src: ModelSource, cfg: RunConfig, model_cfg: ModelConfig, tokenizer,
+                  data: DataConfig | None = None) -> tuple[ModelConfig, Any, str]:
+    """A testbed model: `model_cfg` initialized at random, then SFT on `data` (or its cached result)."""
     init = lambda: (model_cfg, transformer.init_params(model_cfg, jax.random.key(src.resolved_warm_start().seed),
                                                        DTYPES[src.dtype]))
-    return sft_model(role, src, cfg, tokenizer, init)
+    return sft_model(role, src, cfg, tokenizer, init, data)

@@ -96,7 +96,7 @@ def test_resume_mid_stream_continues_every_tasks_stream(tok, tmp_path):
 
 
 def test_mix_errors_name_the_field():
-    with pytest.raises(ConfigError, match=r"DataConfig.mix: batch_size=6 does not split into whole rows per task "
+    with pytest.raises(ConfigError, match=r"^DataConfig: mix: batch_size=6 does not split into whole rows per task "
                                           r"\(arithmetic: 4.5, counting: 1.5\)"):
         build(DataConfig, {"mix": MIX, "batch_size": 6})
     with pytest.raises(ConfigError, match=r"mix: 'poems' is not a registered task"):
