@@ -6,7 +6,8 @@ rise = mean(run)/mean(base) - 1; a 95% paired (percentile) bootstrap CI of the m
 (--run-also / --base-also), also the seed-aware verdict (bootstrap over seeds and problems), the rise against
 the base seeds' own spread, and the per-run rule for every pair of seeds.
 Exit code: 0 PASS, 1 FAIL (the seed-aware verdict when more seeds are given), 2 bad input (e.g. differing
-problem sets).
+problem sets). Runs that mix several tasks (`data.mix`: their evals have a `task` column) also get the rule on
+each task's problems (printed and in --json's `per_task`; the exit code stays the whole set's).
 
 With --rl (reward-trained runs: REINFORCE, GRPO; BASE = the same method at the standard engine), the broke
 criterion of `jopd.lab.rl_verdict` instead: BROKE iff held-out accuracy is below BASE's by >= --acc-margin with
@@ -128,6 +129,8 @@ def run_rl(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from jopd.lab import quality as q
     from jopd.lab.runs import mean_mismatch, read_eval
 
@@ -157,6 +160,24 @@ def run(args: argparse.Namespace) -> int:
         result["seed_aware"] = {"run_dirs": run_dirs, "base_dirs": base_dirs, **s.to_dict()}
         result["decided_by"] = "seed-aware"
         verdict = s.verdict
+    base_tasks = evals[0].task
+    if base_tasks is not None:  # a mix of tasks: the rule on each task's problems too
+        tasks = base_tasks[np.argsort(evals[0].index)]
+        result["per_task"] = {}
+        print()
+        print("per task (the rule on each task's problems; the verdict above is the whole set's):")
+        for name in dict.fromkeys(tasks.tolist()):
+            rows = tasks == name
+            vt = q.quality_rule(runs[0][rows], bases[0][rows], args.threshold, args.resamples, args.seed)
+            line = (f"  {name:20s} {vt.n:5d} problems  base {vt.base_mean:.4f}  run {vt.run_mean:.4f}  rise "
+                    f"{vt.rise:+.1%}  CI [{vt.ci_low:+.4f}, {vt.ci_high:+.4f}]  {vt.verdict}")
+            result["per_task"][name] = vt.to_dict()
+            if len(run_dirs) > 1 or len(base_dirs) > 1:
+                st = q.seed_aware_rule([r[rows] for r in runs], [b[rows] for b in bases], args.threshold,
+                                       args.resamples, args.seed)
+                line += f"; seed-aware rise {st.rise:+.1%} [{st.rise_ci_low:+.1%}, {st.rise_ci_high:+.1%}] {st.verdict}"
+                result["per_task"][name]["seed_aware"] = st.to_dict()
+            print(line)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jopd.data.pipeline import load_problems
     from jopd.lab import probe as probelib
     from jopd.lab.runs import build_at_checkpoint
     from jopd.opd.run_config import load_config
@@ -67,15 +66,18 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     run_, state, at = build_at_checkpoint(cfg, args.checkpoint, args.step, log=lambda m: print(m, file=sys.stderr))
     student = "start" if at is None else f"step_{at}"
-    problems = list(load_problems(cfg.data, "heldout"))[: args.problems or cfg.train.eval_problems]
     options = probelib.ProbeOptions(samples=args.samples, student_greedy=args.greedy_student, cut=args.cut,
                                     fractions=args.fractions, resamples=args.resamples, progress=sys.stderr.isatty())
-    report = probelib.probe(run_, state.params, problems, options=options)
     where = f"{args.checkpoint} step {at}" if args.checkpoint else "the config's starting student"
-    print(f"teacher-reliability probe; student: {where}")
-    print(report.table())
     out = Path(args.json) if args.json else Path(cfg.train.out_dir) / "probe" / f"probe_{student}.json"
-    report.settings["student"] = where
-    paths = report.save(out, title=f"teacher reliability — student: {where}")
-    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    # one probe per (teacher, task) it teaches: several teachers are each probed on their own tasks' prefixes
+    for label, teacher, source in probelib.probe_pairs(run_):
+        problems = list(source.problems(cfg.data, "heldout"))[: args.problems or cfg.train.eval_problems]
+        report = probelib.probe(run_, state.params, problems, options=options, teacher=teacher, source=source)
+        print(f"teacher-reliability probe{f' [{label}]' if label else ''}; student: {where}")
+        print(report.table())
+        report.settings["student"] = where
+        path = out if not label else out.with_name(f"{out.stem}_{label.replace('/', '_')}{out.suffix}")
+        paths = report.save(path, title=f"teacher reliability{f' [{label}]' if label else ''} — student: {where}")
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
     return 0

@@ -52,9 +52,9 @@ from tqdm.auto import tqdm
 from jopd.data.answers import extract_answer, parse_number
 from jopd.data.arithmetic_steps import fraction_cuts, prefix_char_lengths, token_at_char
 from jopd.data.chat import prompt_ids, prompt_response_ids
-from jopd.data.pipeline import load_problems
+from jopd.data.mixture import TaskSource, task_sources
 from jopd.data.problem import Problem
-from jopd.data.tasks import TASKS, StepChecker, Task
+from jopd.data.tasks import StepChecker, Task
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.lab.probe_report import (  # noqa: F401  (some re-exported: the probe's public names)
     AGREEMENT_WARNING, FOLLOWS, OUTCOMES, SET_LABELS, SETS, ProbeReport, position_key, set_summary,
@@ -343,22 +343,23 @@ class _Setup:
     task: Task  # the run's task entry: prompts, answer check, step checker
 
 
-def _setup(run, options: ProbeOptions) -> _Setup:
+def _setup(run, options: ProbeOptions, teacher: int, source: TaskSource) -> _Setup:
     cfg = run.cfg
     if cfg.loss.cross_tokenizer != "off":
         raise ValueError(f"RunConfig.loss.cross_tokenizer={cfg.loss.cross_tokenizer}: the teacher-reliability probe "
                          f"feeds the teacher the student's token ids; not with a teacher of another tokenizer")
     if options.samples < 0:
         raise ValueError(f"samples: must be >= 0, got {options.samples}")
-    task = TASKS[cfg.data.task]
+    task = source.task
     cut = options.cut if options.cut != "auto" else ("first_error" if task.step_checker else "fractions")
     if cut == "first_error" and task.step_checker is None:
-        raise ValueError(f"cut=first_error: task {cfg.data.task!r} has no step checker (its steps are not checkable)")
+        raise ValueError(f"cut=first_error: task {source.name!r} has no step checker (its steps are not checkable)")
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=False,
                                    max_new_tokens=options.max_new_tokens or cfg.train.eval_max_new_tokens)
-    teacher = jax.device_get(run.teacher_params) if jax.process_count() == 1 else run.teacher_params
-    return _Setup(tokenizer=run.tokenizer, student_cfg=run.step.student_cfg, teacher_cfg=run.step.teacher_cfg,
-                  teacher_params=teacher, sampling=sampling, cut=cut, task=task,
+    params = run.teacher_params[teacher] if run.step.routing is not None else run.teacher_params
+    params = jax.device_get(params) if jax.process_count() == 1 else params
+    return _Setup(tokenizer=run.tokenizer, student_cfg=run.step.student_cfg, teacher_cfg=run.step.teacher_cfgs[teacher],
+                  teacher_params=params, sampling=sampling, cut=cut, task=task,
                   seed=cfg.train.eval_seed if options.seed is None else options.seed,
                   batch=options.batch_size or cfg.data.eval_batch_size,
                   bucket=bucket_size(cfg.data.max_prompt_len + sampling.max_new_tokens, minimum=8, pow2_up_to=256),
@@ -428,14 +429,20 @@ def _rows(prefixes: Sequence[Prefix], done: _Continued, rec: dict[str, np.ndarra
 
 
 def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOptions = ProbeOptions(),
-          continue_fn: ContinueFn | None = None) -> ProbeReport:
+          continue_fn: ContinueFn | None = None, teacher: int = 0, source: TaskSource | None = None) -> ProbeReport:
     """The teacher-reliability probe of `run` (a `jopd.opd.loop.OPDRun`: teacher, tokenizer, sampling, data
-    config) with the student at `student_params`, on `problems` (keyed by their position in the list).
+    config) with the student at `student_params`, on `problems` (keyed by their position in the list), all of
+    task `source` (default: the run's only task). `teacher`: which of several teachers (`RunConfig.teachers`).
     `continue_fn` replaces the teacher's continuation (default: `sampler_continue_fn` on the teacher).
     Pure measurement (no files): a training hook can call it on a small fixed set every N steps."""
     if not problems:
         raise ValueError("probe: no problems given")
-    su = _setup(run, options)
+    if source is None:
+        sources = task_sources(run.cfg.data)
+        if len(sources) > 1:
+            raise ValueError("probe: the run mixes several tasks; probe one task's problems at a time (`probe_pairs`)")
+        source = sources[0]
+    su = _setup(run, options, teacher, source)
     tok, progress = su.tokenizer, options.progress
     student_params = jax.device_get(student_params) if jax.process_count() == 1 else student_params
 
@@ -446,11 +453,11 @@ def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOpt
     # a wrong first answer restated right at the end would count as both recovery and agreement: not probed
     restated = {i for i in wrong if outcome(student[i].text, problems[i].answer, None) == "recovery"}
     wrong = [i for i in wrong if i not in restated]
-    teacher = dict(zip(wrong, _responses(su, su.teacher_cfg, su.teacher_params, [prompts[i] for i in wrong], wrong,
-                                         greedy=False, desc="teacher own", progress=progress)))
+    own = dict(zip(wrong, _responses(su, su.teacher_cfg, su.teacher_params, [prompts[i] for i in wrong], wrong,
+                                     greedy=False, desc="teacher own", progress=progress)))
     reference = {i: response_of(tok, prompt_response_ids(tok, su.task.user_turn(problems[i]), problems[i].solution,
                                                          su.system_prompt)[1]) for i in wrong}
-    args = (wrong, problems, prompts, student, teacher, reference, tok, su.specials)
+    args = (wrong, problems, prompts, student, own, reference, tok, su.specials)
     cuts = (_error_cuts(*args, su.task.step_checker) if su.cut == "first_error"
             else _fraction_cuts(*args, options.fractions))
     if restated:
@@ -480,17 +487,45 @@ def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOpt
                 "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
                 "max_new_tokens": sp.max_new_tokens,
                 "fractions": list(options.fractions) if su.cut == "fractions" else None,
-                "resamples": options.resamples, "task": run.cfg.data.task}
+                "resamples": options.resamples, "task": source.name}
+    if run.step.routing is not None:
+        settings["teacher"] = run.step.routing.names[teacher]
     return ProbeReport(n_problems=len(problems), n_wrong=len(wrong) + len(restated), skipped=cuts.skipped,
                        kinds=cuts.kinds, samples=options.samples, cut=su.cut, sets=sets,
                        positions=sorted({p.position for p in prefixes}, key=position_key), verdict=line,
                        warning=warn, rows=rows, settings=settings)
 
 
+def probe_pairs(run) -> list[tuple[str, int, TaskSource]]:
+    """What a run's probe covers: (label, teacher, task) pairs. One teacher and one task: ("", 0, it). Several
+    tasks or teachers: each teacher on each task it teaches (its `tasks`, else every task of the run), labelled
+    "<teacher>/<task>" (a single teacher: "<task>")."""
+    sources = task_sources(run.cfg.data)
+    routing = run.step.routing
+    if routing is None:
+        return [("" if len(sources) == 1 else s.name, 0, s) for s in sources]
+    out = []
+    for i, t in enumerate(run.cfg.teachers):
+        for s in sources:
+            if not t.tasks or s.name in t.tasks:
+                out.append((f"{t.name}/{s.name}", i, s))
+    return out
+
+
 def training_probe(run) -> Callable[[Any], dict[str, float]]:
     """`train.probe_every`'s measurement, the probe hook of `jopd.opd.loop.train`: student params -> the probe's
-    `training_metrics`, on problems fixed for the run (the first `train.probe_problems` held-out ones)."""
+    `training_metrics`, on problems fixed for the run (the first `train.probe_problems` held-out ones of each
+    task); with several teachers or tasks, each (`probe_pairs`) as `<teacher>/<task>/<metric>`."""
     tc = run.cfg.train
-    problems = list(load_problems(run.cfg.data, "heldout"))[: tc.probe_problems]
     options = ProbeOptions(samples=tc.probe_samples, resamples=200, progress=False)
-    return lambda params: training_metrics(probe(run, params, problems, options=options))
+    pairs = [(label, teacher, source, list(source.problems(run.cfg.data, "heldout"))[: tc.probe_problems])
+             for label, teacher, source in probe_pairs(run)]
+
+    def measure(params) -> dict[str, float]:
+        out = {}
+        for label, teacher, source, problems in pairs:
+            m = training_metrics(probe(run, params, problems, options=options, teacher=teacher, source=source))
+            out |= {f"{label}/{k}" if label else k: v for k, v in m.items()}
+        return out
+
+    return measure

@@ -129,6 +129,7 @@ class EvalData:
     index: np.ndarray  # [n] int problem ids, unique
     divergence: np.ndarray  # [n] float64
     correct: np.ndarray | None = None  # [n] float64 in {0, 1}
+    task: np.ndarray | None = None  # [n] str: each problem's task, when the run mixes several (a `task` column)
 
 
 def eval_path(run_dir: str | Path, name: str, suffix: str = ".csv") -> Path:
@@ -157,6 +158,7 @@ def read_eval(run_dir: str | Path, name: str = "after", *, correctness: bool = F
     index: list[int] = []
     div: list[float] = []
     correct: list[float] = []
+    task: list[str] = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         try:
@@ -190,6 +192,8 @@ def read_eval(run_dir: str | Path, name: str = "after", *, correctness: bool = F
                 div.append(d)
                 if correctness:
                     correct.append(_bool(row["correct"] or "", path, line))
+                if "task" in header:
+                    task.append(row["task"] or "")
         except csv.Error as e:
             raise ValueError(f"{path}:{reader.line_num}: malformed CSV ({e})") from None
     if not index:
@@ -198,7 +202,8 @@ def read_eval(run_dir: str | Path, name: str = "after", *, correctness: bool = F
     uniq, counts = np.unique(idx, return_counts=True)
     if (counts > 1).any():
         raise ValueError(f"{path}: problem index {int(uniq[counts > 1][0])} appears {int(counts.max())} times")
-    return EvalData(path, idx, np.asarray(div, np.float64), np.asarray(correct, np.float64) if correctness else None)
+    return EvalData(path, idx, np.asarray(div, np.float64), np.asarray(correct, np.float64) if correctness else None,
+                    np.asarray(task) if "task" in header else None)
 
 
 def read_eval_summary(run_dir: str | Path, name: str = "after") -> dict[str, Any]:

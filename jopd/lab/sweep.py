@@ -57,8 +57,8 @@ def check_configs(sweep: SweepConfig) -> None:
 def _before_eval_key(cfg) -> tuple:
     """What the eval before training depends on: runs that agree on it share that eval."""
     t = cfg.train
-    return (cfg.student, cfg.teacher, cfg.data, cfg.sampling, cfg.loss.cross_tokenizer, t.eval_problems,
-            t.eval_max_new_tokens, t.eval_seed)
+    return (cfg.student, cfg.teacher, cfg.teachers, cfg.routing, cfg.data, cfg.sampling, cfg.loss.cross_tokenizer,
+            t.eval_problems, t.eval_max_new_tokens, t.eval_seed)
 
 
 def _share_before_eval(sweep: SweepConfig, target: Path, cfg) -> None:

@@ -298,15 +298,17 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     devices = list(jax.devices() if devices is None else devices)
     chip = _chip(devices, chip) if cost else None  # before any compile: an unknown chip fails fast
     s_cfg = model_config_of(cfg.student, "student")
-    t_cfg = model_config_of(cfg.teacher, "teacher")
-    if s_cfg.vocab_size != t_cfg.vocab_size:
-        raise ValueError(f"teacher/student vocab mismatch: teacher vocab_size={t_cfg.vocab_size}, "
-                         f"student vocab_size={s_cfg.vocab_size}")
+    roles = [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
+    t_cfgs = tuple(model_config_of(src, role) for role, src in roles)
+    for (role, _), t_cfg in zip(roles, t_cfgs):
+        if s_cfg.vocab_size != t_cfg.vocab_size:
+            raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={t_cfg.vocab_size}, "
+                             f"student vocab_size={s_cfg.vocab_size}")
     context = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
-    for role, m in (("student", s_cfg), ("teacher", t_cfg)):
+    for role, m in [("student", s_cfg)] + [(r, m) for (r, _), m in zip(roles, t_cfgs)]:
         m.check_context(context, f"data.max_prompt_len + sampling.max_new_tokens = {context}", role)
     mesh = meshlib.make_mesh(cfg.mesh, devices)
-    step = build_step(cfg, s_cfg, t_cfg, mesh)
+    step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfgs[0], mesh)
     inputs = step_inputs(step)
     programs, buffers = _stage_programs(step, inputs)
 
@@ -324,7 +326,8 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
                      "vocab": m.vocab_size}
-              for role, m, src in (("student", s_cfg, cfg.student), ("teacher", t_cfg, cfg.teacher))}
+              for role, m, src in [("student", s_cfg, cfg.student)]
+              + [(t.name if cfg.teachers else "teacher", m, t) for t, m in zip(cfg.teacher_sources(), t_cfgs)]}
     shapes = {"batch": cfg.data.batch_size * rollouts_per_prompt(cfg), "prompt_len": cfg.data.max_prompt_len,
               "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
               "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
@@ -392,13 +395,15 @@ def step_inputs(step: OPDStep) -> StepInputs:
     sample = jax.eval_shape(program, sampler_params, *unique, rand, cache)._replace(cache=None, decode_iterations=None)
     sample = _abstract(sample, jax.tree.map(lambda _: sh.batch, sample))
     per_row = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
+    task = sds((B,), jnp.int32, sharding=sh.batch) if step.loss_cfg.task_names else None  # several tasks
     rollout = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, sample=sample, advantages_B=per_row,
-                            rewards_B=per_row)
+                            rewards_B=per_row, task_B=task)
     # the frozen KL reference (loss.kl_coef > 0): the starting student's shapes in the trainer layout
     reference = (state.params,) if step.uses_reference else ()
     batch = jax.eval_shape(step.score_fn, teacher, rollout, *reference)
     batch = _abstract(batch, jax.tree.map(lambda _: sh.batch, batch))
-    head = (head_params(teacher),) if step.uses_teacher_head else ()  # the full-vocabulary kinds read it per chunk
+    scorer = teacher[step.routing.scorer] if step.routing is not None else teacher
+    head = (head_params(scorer),) if step.uses_teacher_head else ()  # the full-vocabulary kinds read it per chunk
     return StepInputs(state=state, teacher=teacher, key=key, sampler_params=sampler_params, cache=cache,
                       unique=unique, rand=rand, rollout=rollout, reference=reference, batch=batch, head=head,
                       engine=engine, slots=slots)

@@ -87,7 +87,9 @@ def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
         return {}
     c2 = c // 2 if c > 1 else 2
     one_layer = lambda m: dataclasses.replace(m, num_layers=1)  # noqa: E731
-    at = {k: build_step(_cost_config(cfg, k), one_layer(step.student_cfg), one_layer(step.teacher_cfg), step.mesh)
+    teacher = tuple(map(one_layer, step.teacher_cfgs))
+    at = {k: build_step(_cost_config(cfg, k), one_layer(step.student_cfg),
+                        teacher if step.routing is not None else teacher[0], step.mesh)
           for k in (c, c2)}
     ins = step_inputs(at[c])
     score = lambda k: lambda: at[k].score_fn.lower(ins.teacher, ins.rollout, *ins.reference)  # noqa: E731
@@ -262,13 +264,25 @@ def step_model_flops(step: OPDStep) -> dict[str, float]:
     cfg = step.cfg
     B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
     U = B // step.prefill_group
-    student, teacher = _layer_and_head_params(step.student_cfg), _layer_and_head_params(step.teacher_cfg)
-    scoring = model_flops(*teacher, B * (Pl + N), B * N, 2)
+    student = _layer_and_head_params(step.student_cfg)
+    scoring = sum(model_flops(*_layer_and_head_params(t_cfg), rows * (Pl + N), rows * N, 2)
+                  for t_cfg, rows in zip(step.teacher_cfgs, teacher_rows(step)))
     if step.uses_reference:
         scoring += model_flops(*student, B * (Pl + N), B * N, 2)
     return {"weight_sync": 0.0, "sample": model_flops(*student, U * Pl + B * (N - 1), B * N, 2),
             "teacher_scoring": scoring,
             "train_step": cfg.rl.inner_updates * model_flops(*student, B * (Pl + N), B * N, 6)}
+
+
+def teacher_rows(step: OPDStep) -> tuple[int, ...]:
+    """The rows each teacher scores per step: all of them (one teacher, a mixture), its own (routing=task), or
+    all for the one a routing names and none for the others."""
+    B, routing = step.rollout_rows, step.routing
+    if routing is None or routing.mode == "mixture":
+        return (B,) * len(step.teacher_cfgs)
+    if routing.mode == "task":
+        return tuple(n * routing.shards for n in routing.shard_rows)
+    return tuple(B if i == routing.scorer else 0 for i in range(len(routing.names)))
 
 
 def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
