@@ -18,7 +18,7 @@ from jopd.opd.run_config import load_config
 from jopd.models import transformer
 from tests.helpers.tiny_testbed import TINY, tiny_cache
 
-COUNTING = {"min_length": 3, "max_length": 5, "heldout_size": 24}
+COUNTING = {"max_items": 4, "heldout_size": 24}
 TEACHERS = [dict(TINY["teacher"], name="arith", tasks=["arithmetic"]),
             dict(TINY["teacher"], name="count", tasks=["counting"])]
 
