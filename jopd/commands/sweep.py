@@ -7,7 +7,8 @@ Resumable: finished runs are skipped and an interrupted one resumes from its che
 command after a kill continues where it stopped. Then every run is compared with the baseline run of the same
 training seed (the per-run quality rule), every setup with all baseline seeds (the seed-aware rule), and the
 pass/fail bracket is read off the mismatch axis. Writes OUT/runs.csv, OUT/setups.csv, OUT/summary.json,
-OUT/bracket.png and, with a `screen` section, OUT/screen.json (offline decisions vs the full runs' verdicts).
+OUT/bracket.png and, with a `screen` section, OUT/screen.json (offline decisions vs the full runs' verdicts);
+runs that mix several tasks (`data.mix`) add OUT/tasks.{csv,json,png}: each setup on each task's problems.
 With `methods` (a contrast: e.g. OPD vs REINFORCE vs GRPO on the same setups), every method runs the baseline and
 every setup, each is judged by its own rule (the quality rule, or the RL broke criterion of `jopd compare --rl`)
 against its own baseline, and OUT/contrast.{json,png} put them side by side.
@@ -29,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jopd.lab import sweep_report
+    from jopd.lab import sweep_report, task_report
     from jopd.lab.sweep import run_sweep
     from jopd.lab.sweep_config import load_sweep
 
@@ -61,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
     sweep_report.write_tables(result, out)
     sweep_report.plot(result, out / "bracket.png")
     print(sweep_report.table(result))
+    tasks = task_report.analyze_tasks(sweep)
+    if tasks is not None:  # runs that mix several tasks: each setup on each task's problems
+        task_report.write_tasks(tasks, out)
+        task_report.plot_tasks(tasks, out / "tasks.png")
+        print(task_report.tasks_table(tasks))
     if sweep.screen is not None and not args.no_screen:
         from jopd.lab.screen import screen_sweep
 

@@ -72,6 +72,9 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     else:
         cross = CrossTeacher.make(tokenizer, t_tok, student_cfg, teacher_cfg, cfg.data.system_prompt)
     log(f"teacher{'s' if cfg.teachers else ''}: {t_from}  student: {s_from}")
+    idle = [t.name for t in cfg.teachers if cfg.routing == "task" and not t.tasks]
+    if idle:  # held (e.g. the other routings of a study share the config), but it scores no row
+        log(f"warning: routing=task gives teacher(s) {', '.join(idle)} no rows (no `tasks`)")
     step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer, cross)
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
     # the starting student as loaded, also on resume (the restored state replaces only the trained copy)

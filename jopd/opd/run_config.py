@@ -201,10 +201,6 @@ def _check_teachers(cfg: RunConfig) -> None:
         if missing:
             raise ConfigError(f"routing: task needs a teacher for every task; {', '.join(map(repr, missing))} has "
                              f"none (list it in one teacher's `tasks`)")
-        idle = [t.name for t in cfg.teachers if not t.tasks]
-        if idle:
-            raise ConfigError(f"routing: task leaves teacher(s) {', '.join(map(repr, idle))} without rows (give them "
-                             f"`tasks`, or route by mixture)")
 
 
 def _parse_value(text: str) -> Any:
