@@ -64,7 +64,8 @@ class LossConfig:
     # The run's tasks, when it mixes several (`data.mix`; filled by the step from the data config): the loss then
     # also reports each task's loss and teacher k1 (`task/<name>/...`), from the batch's per-row task ids.
     task_names: tuple[str, ...] = ()
-    # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats).
+    # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats; the full-vocabulary
+    # kinds, which also project the teacher's logits in each chunk, run chunk_size // 2 positions).
     chunk_size: Annotated[int, pydantic.Field(ge=1)] = 128
     # RL kinds (reinforce / grpo), per token. grpo: PPO's clipped ratio r = pi_theta(y) / pi_sampler(y),
     # clipped to [1 - clip_eps, 1 + clip_eps_high] (None: clip_eps; DAPO's "clip higher" sets it above clip_eps).

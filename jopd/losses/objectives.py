@@ -38,13 +38,19 @@ from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.models.config import ModelConfig
 
-__all__ = ["OBJECTIVES", "Objective", "check_batch", "compact_fields", "needs_reference", "per_task_means",
+__all__ = ["OBJECTIVES", "Objective", "check_batch", "compact_fields", "loss_chunk", "needs_reference", "per_task_means",
            "token_loss", "token_loss_from_logits"]
 
 
 def needs_reference(cfg: LossConfig) -> bool:
     """The loss reads `reference_logprobs_BxT` (the KL term of the RL kinds, `loss.kl_coef > 0`)."""
     return OBJECTIVES[cfg.kind].reads_reference and cfg.kl_coef > 0
+
+
+def loss_chunk(cfg: LossConfig) -> int:
+    """Positions per chunk of the loss: `loss.chunk_size`, halved for the kinds that also project the teacher's
+    logits in each chunk (two [B, C, V] logits: half the positions keep the peak that chunk_size sets)."""
+    return max(1, cfg.chunk_size // 2) if OBJECTIVES[cfg.kind].reads_teacher_head else cfg.chunk_size
 
 
 def _chunk_terms(cfg: LossConfig, teacher_head, logits_BxCxV: jax.Array, inp: Mapping[str, jax.Array]
@@ -240,7 +246,7 @@ def token_loss(
     if rows != (B, T):
         raise ValueError(f"token_loss: the batch's positions {rows} != hidden (B, T)={(B, T)}")
     check_batch(cfg, batch, model_cfg.vocab_size, teacher_head)
-    chunk = cfg.chunk_size
+    chunk = loss_chunk(cfg)
     if batch.compact is not None:
         chunk = compact_chunk(chunk, batch.targets_BxT.shape[0], B, T)
     terms = chunked_logits_map(functools.partial(_chunk_terms, cfg, teacher_head), student_params, hidden_BxTxD,

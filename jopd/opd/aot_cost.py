@@ -24,6 +24,7 @@ from jopd import parallel as meshlib
 from jopd.opd.aot import StageReport, StepInputs, _abstract, _cache, _compile, step_inputs
 from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.opd.run_config import RunConfig
+from jopd.losses.objectives import loss_chunk
 from jopd.opd.step import OPDStep, build_step
 from jopd.sampling.sampler import choose_tokens, step_logits
 from jopd.sampling.slots import slot_iterations
@@ -82,8 +83,9 @@ def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
     steps at chunk sizes c and c' (the body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c')))."""
     cfg, N = step.cfg, step.cfg.sampling.max_new_tokens
     c = min(cfg.loss.chunk_size, N)
-    chunks = -(-N // c)
-    if chunks == 1:
+    chunks = -(-N // c)  # the scoring's chunks; the update's run loss_chunk positions each
+    update_chunks = -(-N // min(loss_chunk(step.loss_cfg), N))
+    if chunks == 1 and update_chunks == 1:
         return {}
     c2 = c // 2 if c > 1 else 2
     one_layer = lambda m: dataclasses.replace(m, num_layers=1)  # noqa: E731
@@ -95,8 +97,10 @@ def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
     score = lambda k: lambda: at[k].score_fn.lower(ins.teacher, ins.rollout, *ins.reference)  # noqa: E731
     update = lambda k: lambda: at[k].update_fn.lower(ins.state, ins.batch, *ins.head)  # noqa: E731
     scale = c / (c - c2)
-    return {"teacher_scoring": CostProgram("chunk", chunks - 1, score(c), score(c2), scale),
-            "train_step": CostProgram("loss chunk", chunks - 1, update(c), update(c2), scale)}
+    # the update's chunk at loss.chunk_size c runs loss_chunk(c) positions: the difference still gives its body
+    out = {"teacher_scoring": CostProgram("chunk", chunks - 1, score(c), score(c2), scale),
+           "train_step": CostProgram("loss chunk", update_chunks - 1, update(c), update(c2), scale)}
+    return {k: p for k, p in out.items() if p.count > 0}
 
 
 def _unjitted(fn):
