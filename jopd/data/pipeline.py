@@ -15,6 +15,8 @@ Every batch is a dict of numpy arrays (B = per-process batch, P = max_prompt_len
   index         [B]   int64   problem id within its split (pairs runs per held-out problem)
   valid         [B]   bool    False only on held-out padding rows
   question      [B]   str     raw question text
+  user_turn     [B]   str     the user's message the prompt renders (the task's `user_turn`; a teacher with
+                              another tokenizer renders it in its own template)
   answer        [B]   str     reference final answer (bare number; check with `answers.is_correct`)
 SFT batches (kind="sft") add, in the layout an OPD rollout has (prompt in columns [0,P), response after it):
   tokens        [B,P+R] int32 left-padded prompt, then the response (solution + end-of-turn), right-padded
@@ -105,7 +107,8 @@ def encode_problem(problem: Problem, index: int, *, tokenizer: PreTrainedTokeniz
     prompt_mask[P - n:] = 1
     element = {
         "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask, "prompt_len": np.int32(n),
-        "index": np.int64(index), "valid": np.bool_(valid), "question": problem.question, "answer": problem.answer,
+        "index": np.int64(index), "valid": np.bool_(valid), "question": problem.question,
+        "user_turn": user_turn, "answer": problem.answer,
     }
     if kind == "sft":
         m = len(response)
