@@ -8,9 +8,10 @@ fields): the student's response and the teacher's tokenization of the same text,
   sum_k s_k / tokens: tokenizer-free.
 - `xtok_dense`: the truncated reverse KL with a tail (`topk_rkl_tail`) at the positions where a span starts,
   against the teacher's next-token distribution projected onto the student's top-K support there (the support
-  ids and the projected log-probs come in the truncated kinds' fields). The projection equals the teacher's
-  next-text distribution for a character-level student at a teacher token boundary, and is a lower bound of it
-  elsewhere (`crosstok.project`); positions inside a teacher token carry no dense signal.
+  ids and the projected log-probs come in the truncated kinds' fields). Backed off to the start of the teacher's
+  last token, the projection is the teacher's next-character distribution for a character-level student, and a
+  lower bound of its next-text probability elsewhere (`crosstok.project`); positions inside a teacher token carry
+  no dense signal.
 """
 
 from __future__ import annotations
