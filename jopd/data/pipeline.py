@@ -18,6 +18,8 @@ Every batch is a dict of numpy arrays (B = per-process batch, P = max_prompt_len
                               held-out id counts through the tasks' splits in the mix's order)
   valid         [B]   bool    False only on held-out padding rows
   question      [B]   str     raw question text
+  user_turn     [B]   str     the user's message the prompt renders (the task's `user_turn`; a teacher with
+                              another tokenizer renders it in its own template)
   answer        [B]   str     reference final answer (bare number; check with the row's task's `is_correct`)
   task          [B]   str     the row's task (`jopd.data.mixture`; `data.task` without a mix)
   task_id       [B]   int32   its position in the run's task sources (train batches: task-major, fixed rows each)
@@ -136,8 +138,8 @@ def encode_problem(problem: Problem, index: int, *, tokenizer: PreTrainedTokeniz
     prompt_mask[P - n:] = 1
     element = {
         "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask, "prompt_len": np.int32(n),
-        "index": np.int64(index), "valid": np.bool_(valid), "question": problem.question, "answer": problem.answer,
-        "task": source.name, "task_id": np.int32(task_id),
+        "index": np.int64(index), "valid": np.bool_(valid), "question": problem.question,
+        "user_turn": user_turn, "answer": problem.answer, "task": source.name, "task_id": np.int32(task_id),
     }
     if kind == "sft":
         m = len(response)

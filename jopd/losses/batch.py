@@ -38,9 +38,11 @@ class LossBatch:
     reference_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_ref(target), frozen reference (KL term)
     # A teacher with another tokenizer (`opd.cross_teacher`): aligned spans, K = T slots (a span holds >= 1
     # student token). span_id: each position's span (T: none); span_mask: span k exists; span_teacher_logprobs:
-    # log p_teacher(span k); dense_mask: the positions where a span starts (the dense projection's).
+    # log p_teacher(span k); end_span: span k is the end span (student EOS <-> the teacher's end of turn);
+    # dense_mask: the positions where a span starts (the dense projection's).
     span_id_BxT: Int[Array, "B T"] | None = None
     span_mask_BxT: Bool[Array, "B T"] | None = None
+    end_span_BxT: Bool[Array, "B T"] | None = None
     span_teacher_logprobs_BxT: Float[Array, "B T"] | None = None
     dense_mask_BxT: Bool[Array, "B T"] | None = None
     task_BxT: Int[Array, "B T"] | None = None  # several tasks: each row's task id (`LossConfig.task_names`)

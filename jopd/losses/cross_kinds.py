@@ -8,9 +8,10 @@ fields): the student's response and the teacher's tokenization of the same text,
   sum_k s_k / tokens: tokenizer-free.
 - `xtok_dense`: the truncated reverse KL with a tail (`topk_rkl_tail`) at the positions where a span starts,
   against the teacher's next-token distribution projected onto the student's top-K support there (the support
-  ids and the projected log-probs come in the truncated kinds' fields). The projection equals the teacher's
-  next-text distribution for a character-level student at a teacher token boundary, and is a lower bound of it
-  elsewhere (`crosstok.project`); positions inside a teacher token carry no dense signal.
+  ids and the projected log-probs come in the truncated kinds' fields). Backed off to the start of the teacher's
+  last token, the projection is the teacher's next-character distribution for a character-level student, and a
+  lower bound of its next-text probability elsewhere (`crosstok.project`); positions inside a teacher token carry
+  no dense signal.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jopd.losses.kinds import OBJECTIVES, Objective
 from jopd.losses.masks import masked_mean
 from jopd.losses.policy_gradient import policy_gradient_surrogate
 
-_SPANS = ("span_id_BxT", "span_mask_BxT")
+_SPANS = ("span_id_BxT", "span_mask_BxT", "end_span_BxT")
 
 
 def _none(cfg, logits, inp):
@@ -56,8 +57,13 @@ def _sampled_reduce(cfg, logp, terms, batch, mask, weights):
     tokens = jnp.maximum(jnp.sum(in_span), 1).astype(jnp.float32)
     # num_tokens (the shared reduction's) counts the aligned tokens: the degenerate-run guard stops a run whose
     # rollouts never align
+    # the end span's signal (its EOS token's advantage is minus it) apart from the text spans': a student that
+    # stops ending its turn shows here first
+    end = batch.span_mask_BxT & batch.end_span_BxT
     metrics = {"divergence": jnp.sum(signal) / tokens, "advantage_mean": masked_mean(adv, in_span),
-               "aligned_token_frac": _response_frac(in_span, batch)}
+               "aligned_token_frac": _response_frac(in_span, batch), "end_signal": masked_mean(signal, end),
+               "text_signal": masked_mean(signal, batch.span_mask_BxT & ~batch.end_span_BxT),
+               "end_span_frac": jnp.sum(end) / jnp.maximum(jnp.sum(jnp.any(batch.span_mask_BxT, axis=1)), 1)}
     return policy_gradient_surrogate(logp, jnp.where(in_span, adv, 0.0)), weights, metrics
 
 
@@ -71,14 +77,18 @@ def _dense_reduce(cfg, logp, terms, batch, mask, weights):
     """The truncated reverse KL with a tail, at the span starts only (`mask` holds them: `_at_span_start`)."""
     at_start = mask
     per_position = jnp.where(at_start, terms["divergence"], 0.0)
-    metrics = {"divergence": masked_mean(jax.lax.stop_gradient(terms["divergence"]), at_start),
-               "topk_mass": masked_mean(terms["topk_mass"], at_start),
-               "dense_position_frac": _response_frac(at_start, batch)}
+    K = batch.span_mask_BxT.shape[1]
+    at_end = at_start & (at_tokens(batch.end_span_BxT.astype(jnp.float32), jnp.where(at_start, batch.span_id_BxT, K))
+                         > 0)  # the end span's start: the student's EOS position
+    divergence = jax.lax.stop_gradient(terms["divergence"])
+    metrics = {"divergence": masked_mean(divergence, at_start), "topk_mass": masked_mean(terms["topk_mass"], at_start),
+               "dense_position_frac": _response_frac(at_start, batch),
+               "end_divergence": masked_mean(divergence, at_end)}
     return per_position, weights, metrics
 
 
 OBJECTIVES.add("xtok_sampled", Objective((), _SPANS + ("span_teacher_logprobs_BxT",), _none, _sampled_reduce,
                                          signal_mask=_in_span))
 OBJECTIVES.add("xtok_dense", Objective(("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK", "support_mask_BxTxK"),
-                                       ("dense_mask_BxT",), _dense_terms, _dense_reduce, student_support=True,
+                                       ("dense_mask_BxT",) + _SPANS, _dense_terms, _dense_reduce, student_support=True,
                                        signal_mask=_at_span_start))

@@ -38,7 +38,9 @@ from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
 from jopd.losses.chunked import head_params
+from jopd import crosstok
 from jopd.opd.batch import RolloutArrays
+from jopd.opd.cross_teacher import TEACHER_SLACK, CrossTeacher, cross_batch_shapes
 from jopd.opd.roofline import CHIP_PEAKS, Cost, Roofline, chip_of
 from jopd.opd.step import OPDStep, build_step, rollouts_per_prompt
 from jopd.sampling.sampler import RowRandomness
@@ -99,15 +101,15 @@ def hbm_bytes_per_device(devices: Sequence[Any]) -> int | None:
 # model architectures without weights
 
 
-def model_config_of(src: ModelSource, role: str) -> ModelConfig:
+def model_config_of(src: ModelSource, role: str, tokenizer=None) -> ModelConfig:
     """The architecture of a run's model from metadata only: an HF directory's `config.json` (weights need not
     be there: `configs/arch/<name>/` holds config-only directories of real models), a .gguf's metadata, or,
-    for `path: null`, the testbed recipe (`arch` with the toy tokenizer's vocabulary)."""
+    for `path: null`, the testbed recipe (`arch` with `tokenizer`'s vocabulary; default the toy tokenizer's)."""
     if src.path is None:
         from jopd.data.toy_tokenizer import build_toy_tokenizer
         from jopd.opd.model_sources import testbed_model_config
 
-        return testbed_model_config(src, build_toy_tokenizer())
+        return testbed_model_config(src, tokenizer or build_toy_tokenizer())
     p = io.resolve_model_path(src.path)
     if not p.exists():
         raise FileNotFoundError(f"RunConfig.{role}.path: {p} does not exist (for sizing, point it at a directory "
@@ -118,6 +120,32 @@ def model_config_of(src: ModelSource, role: str) -> ModelConfig:
             cfg = read_hf_config(p)
             return dataclasses.replace(cfg, num_layers=src.num_layers) if src.num_layers else cfg
     return io.open_checkpoint(p, src.num_layers)[0]  # validates every tensor's shape (metadata only)
+
+
+def cross_tokenizers(cfg: RunConfig) -> tuple[Any, Any]:
+    """(student, teacher) tokenizers of a run with `loss.cross_tokenizer`, as `jopd train` loads them; None for a
+    side whose model is a directory without tokenizer files (a config-only `configs/arch/<name>/`)."""
+    from jopd.opd import model_sources
+
+    out = []
+    for get in (model_sources.run_tokenizer, model_sources.teacher_tokenizer):
+        try:
+            out.append(get(cfg))
+        except FileNotFoundError:
+            out.append(None)
+    return out[0], out[1]
+
+
+def sizing_cross_teacher(student_tok, teacher_tok, s_cfg: ModelConfig, t_cfg: ModelConfig,
+                         system_prompt: str | None) -> CrossTeacher:
+    """The cross teacher the step is lowered with: the run's own (`CrossTeacher.make`: the pair checked, the exact
+    projection table) when both tokenizers are there, else a stand-in with a table of the models' vocabulary
+    sizes and an estimated number of sparse entries (`crosstok.project.placeholder_table`): it lowers and sizes
+    the step, and cannot align anything."""
+    if student_tok is not None and teacher_tok is not None:
+        return CrossTeacher.make(student_tok, teacher_tok, s_cfg, t_cfg, system_prompt)
+    return CrossTeacher(pair=None, table=crosstok.placeholder_table(s_cfg.vocab_size, t_cfg.vocab_size),
+                        system_prompt=system_prompt, teacher_pad_id=0)
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -297,18 +325,27 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         raise ValueError(f"stages: unknown {unknown} (choose from {', '.join(STAGES)})")
     devices = list(jax.devices() if devices is None else devices)
     chip = _chip(devices, chip) if cost else None  # before any compile: an unknown chip fails fast
-    s_cfg = model_config_of(cfg.student, "student")
+    crossed = cfg.loss.cross_tokenizer != "off"  # one teacher then (RunConfig refuses teachers with it)
+    s_tok, t_tok = cross_tokenizers(cfg) if crossed else (None, None)
+    s_cfg = model_config_of(cfg.student, "student", s_tok)
     roles = [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
-    t_cfgs = tuple(model_config_of(src, role) for role, src in roles)
-    for (role, _), t_cfg in zip(roles, t_cfgs):
-        if s_cfg.vocab_size != t_cfg.vocab_size:
-            raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={t_cfg.vocab_size}, "
-                             f"student vocab_size={s_cfg.vocab_size}")
+    t_cfgs = tuple(model_config_of(src, role, t_tok) for role, src in roles)
+    t_cfg = t_cfgs[0]
+    for (role, _), m in zip(roles, t_cfgs):
+        if not crossed and s_cfg.vocab_size != m.vocab_size:
+            raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={m.vocab_size}, "
+                             f"student vocab_size={s_cfg.vocab_size} (a teacher with another tokenizer: set "
+                             f"loss.cross_tokenizer)")
     context = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
     for role, m in [("student", s_cfg)] + [(r, m) for (r, _), m in zip(roles, t_cfgs)]:
         m.check_context(context, f"data.max_prompt_len + sampling.max_new_tokens = {context}", role)
+    # the teacher scores its own rows: its prompt (max_prompt_len) + response (max_new_tokens + TEACHER_SLACK)
+    if crossed:
+        t_cfg.check_context(context + TEACHER_SLACK, f"data.max_prompt_len + sampling.max_new_tokens + "
+                            f"{TEACHER_SLACK} = {context + TEACHER_SLACK}", "teacher")
+    cross = sizing_cross_teacher(s_tok, t_tok, s_cfg, t_cfg, cfg.data.system_prompt) if crossed else None
     mesh = meshlib.make_mesh(cfg.mesh, devices)
-    step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfgs[0], mesh)
+    step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfg, mesh, cross=cross)
     inputs = step_inputs(step)
     programs, buffers = _stage_programs(step, inputs)
 
@@ -331,6 +368,10 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     shapes = {"batch": cfg.data.batch_size * rollouts_per_prompt(cfg), "prompt_len": cfg.data.max_prompt_len,
               "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
               "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
+    if crossed:  # the projection table's sparse entries: from the tokenizers, or estimated without them
+        shapes["cross_tokenizer"] = cfg.loss.cross_tokenizer
+        shapes["xtok_pairs"] = (f"{step.cross.table.pair_student_E.shape[0]}"
+                                + ("" if step.cross.pair is not None else " (estimated: no tokenizer)"))
     roofline = None
     if chip is not None:
         from jopd.opd.aot_cost import predict_step  # it builds on this module's stage inputs
@@ -396,8 +437,12 @@ def step_inputs(step: OPDStep) -> StepInputs:
     sample = _abstract(sample, jax.tree.map(lambda _: sh.batch, sample))
     per_row = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
     task = sds((B,), jnp.int32, sharding=sh.batch) if step.loss_cfg.task_names else None  # several tasks
+    cross = None
+    if step.cross is not None:  # the teacher's own token rows and the span arrays (`OPDStep._align`)
+        cross = cross_batch_shapes(B, Pl, N)
+        cross = _abstract(cross, jax.tree.map(lambda _: sh.batch, cross))
     rollout = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, sample=sample, advantages_B=per_row,
-                            rewards_B=per_row, task_B=task)
+                            rewards_B=per_row, task_B=task, cross=cross)
     # the frozen KL reference (loss.kl_coef > 0): the starting student's shapes in the trainer layout
     reference = (state.params,) if step.uses_reference else ()
     batch = jax.eval_shape(step.score_fn, teacher, rollout, *reference)
@@ -432,6 +477,13 @@ def _stage_programs(step: OPDStep, ins: StepInputs):
                "sampler_params": _bytes(ins.sampler_params), "kv_cache": _bytes(ins.cache),
                "rollout": _bytes(ins.rollout.sample)}
     frozen = ("teacher_params",)  # held all run long
+    if step.cross is not None:
+        # the teacher's rows and span arrays (an argument of the scoring, alive from the rollout on) and the
+        # projection table (a constant of the scoring program: memory_analysis does not count it, it is held
+        # as long as the program is loaded)
+        buffers["cross_batch"] = _bytes(ins.rollout.cross)
+        buffers["projection_table"] = sum(x.nbytes for x in jax.tree.leaves(step.cross.table))
+        frozen += ("projection_table",)
     if reference:
         buffers["reference_params"] = _bytes(reference)
         frozen += ("reference_params",)
@@ -446,7 +498,8 @@ def _stage_programs(step: OPDStep, ins: StepInputs):
         "sample": (lambda: program.lower(ins.sampler_params, *ins.unique, ins.rand, ins.cache),
                    held("train_state", *frozen)),
         "teacher_scoring": (lambda: step.score_fn.lower(teacher, ins.rollout, *reference),
-                            held("train_state", "sampler_params", "kv_cache", "rollout")),
+                            held("train_state", "sampler_params", "kv_cache", "rollout",
+                                 *(("projection_table",) if step.cross is not None else ()))),
         "train_step": (lambda: step.update_fn.lower(state, ins.batch, *ins.head), held(*frozen, "kv_cache")),
     }
     return programs, buffers

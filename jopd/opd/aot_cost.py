@@ -54,7 +54,8 @@ def cost_programs(step: OPDStep, ins: StepInputs) -> dict[str, list[CostProgram]
     chunks' from one-layer steps (`_chunk_programs`: a single chunk of every position may not fit the device).
     The weight sync has no loop: its own program is its cost program."""
     cfg = step.cfg
-    flat = build_step(_cost_config(cfg, cfg.loss.chunk_size), step.student_cfg, step.teacher_cfg, step.mesh)
+    flat = build_step(_cost_config(cfg, cfg.loss.chunk_size), step.student_cfg, step.teacher_cfg, step.mesh,
+                      cross=step.cross)
     score = jax.jit(_unjitted(flat.score_fn), out_shardings=step.shardings.batch)
     state = _unstacked(ins.state)
     update = jax.jit(_unjitted(flat.update_fn), out_shardings=(_shardings_of(state), None), donate_argnums=0)
@@ -91,7 +92,7 @@ def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
     one_layer = lambda m: dataclasses.replace(m, num_layers=1)  # noqa: E731
     teacher = tuple(map(one_layer, step.teacher_cfgs))
     at = {k: build_step(_cost_config(cfg, k), one_layer(step.student_cfg),
-                        teacher if step.routing is not None else teacher[0], step.mesh)
+                        teacher if step.routing is not None else teacher[0], step.mesh, cross=step.cross)
           for k in (c, c2)}
     ins = step_inputs(at[c])
     score = lambda k: lambda: at[k].score_fn.lower(ins.teacher, ins.rollout, *ins.reference)  # noqa: E731

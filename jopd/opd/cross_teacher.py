@@ -8,8 +8,10 @@ sequence and its scores are brought to the student's response layout:
   the chain rule) beside the student's span ids, for the span-level policy gradient of `xtok_sampled`;
 - **dense**: at the start of each aligned span (where both sides sit at a token boundary after the same text),
   the teacher's next-token distribution projected onto the student's top-K support (`crosstok.project`), for the
-  truncated reverse KL with a tail of `xtok_dense` at those positions. Exact for a character-level student at a
-  teacher token boundary; a lower bound of the teacher's next-text probability elsewhere (docs/cross_tokenizer.md).
+  truncated reverse KL with a tail of `xtok_dense` at those positions, marginalized over the teacher tokens that
+  extend its last token's text (its boundary there can depend on what follows). For a character-level student it
+  is the teacher's next-character distribution given the text; a lower bound of the teacher's next-text
+  probability elsewhere (`crosstok.project`, docs/cross_tokenizer.md "When it is exact").
 
 A rollout the pair cannot align (a special token mid-response, a character the teacher cannot encode, more tokens
 than the layout holds) gets no spans: it adds nothing to the loss, and it is counted (`xtok_misaligned_frac`,
@@ -34,6 +36,11 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 
 
+# teacher response slots beyond the student's max_new_tokens: its end-of-turn ids, and room for a response the
+# teacher writes in a few more tokens than the student (longer ones are misaligned, never truncated)
+TEACHER_SLACK = 4
+
+
 @flax.struct.dataclass
 class CrossBatch:
     """A batch's teacher-side sequences and span arrays (device pytree, rows like the rollout's)."""
@@ -45,16 +52,31 @@ class CrossBatch:
     student_span_BxN: Int[Array, "B N"]  # span id of each student response token (N: none)
     teacher_span_BxNt: Int[Array, "B Nt"]  # span id of each teacher response token (N: none)
     span_mask_BxN: Bool[Array, "B N"]  # span k of the row exists (K = N slots: a span holds >= 1 student token)
+    end_span_BxN: Bool[Array, "B N"]  # span k is the end span (the student's EOS <-> the teacher's end of turn)
     student_start_BxN: Int[Array, "B N"]  # the student position of span k's first token
     teacher_start_BxN: Int[Array, "B N"]  # the teacher position of span k's first token
     aligned_B: Bool[Array, "B"]
 
 
+def cross_batch_shapes(B: int, prompt_width: int, N: int) -> CrossBatch:
+    """The shapes and dtypes of the `CrossBatch` that `CrossTeacher.align` fills for B rows of N response tokens
+    (teacher rows N + TEACHER_SLACK wide), as ShapeDtypeStructs: what `jopd aot` lowers the scoring from."""
+    sds = jax.ShapeDtypeStruct
+    i32 = lambda *shape: sds(shape, jnp.int32)  # noqa: E731
+    b8 = lambda *shape: sds(shape, jnp.bool_)  # noqa: E731
+    Nt = N + TEACHER_SLACK
+    return CrossBatch(prompt_BxPt=i32(B, prompt_width), prompt_mask_BxPt=b8(B, prompt_width), tokens_BxNt=i32(B, Nt),
+                      mask_BxNt=b8(B, Nt), student_span_BxN=i32(B, N), teacher_span_BxNt=i32(B, Nt),
+                      span_mask_BxN=b8(B, N), end_span_BxN=b8(B, N), student_start_BxN=i32(B, N), teacher_start_BxN=i32(B, N),
+                      aligned_B=b8(B))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class CrossTeacher:
-    """The checked tokenizer pair and what the projection needs (made once per run)."""
+    """The checked tokenizer pair and what the projection needs (made once per run). `jopd aot` may hold a
+    stand-in without a pair (no tokenizers: it sizes the step, it cannot align)."""
 
-    pair: crosstok.Pair
+    pair: crosstok.Pair | None
     table: crosstok.ProjectionTable
     system_prompt: str | None
     teacher_pad_id: int
@@ -70,16 +92,19 @@ class CrossTeacher:
         pad = teacher_tok.pad_token_id if teacher_tok.pad_token_id is not None else teacher_tok.eos_token_id
         return cls(pair, table, system_prompt, int(pad))
 
-    def messages(self, question: str) -> list[dict[str, str]]:
+    def messages(self, user_turn: str) -> list[dict[str, str]]:
+        """The conversation before the assistant's turn, as the student's prompt has it (`data.system_prompt`, the
+        task's `user_turn(problem)`), for the teacher's own chat template."""
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return msgs + [{"role": "user", "content": question}]
+        return msgs + [{"role": "user", "content": user_turn}]
 
-    def align(self, questions, tokens_BxN: np.ndarray, lengths_B: np.ndarray, prompt_width: int,
+    def align(self, user_turns, tokens_BxN: np.ndarray, lengths_B: np.ndarray, prompt_width: int,
               teacher_width: int) -> tuple[dict[str, np.ndarray], list[str | None]]:
-        """This process's rows aligned (host, numpy): the `CrossBatch` arrays and each row's failure reason."""
+        """This process's rows aligned (host, numpy): the `CrossBatch` arrays and each row's failure reason.
+        `user_turns`: each row's user message (the batch's `user_turn`)."""
         B, N = tokens_BxN.shape
         rows = [crosstok.align_response(self.pair, self.messages(str(q)), tokens_BxN[b, :lengths_B[b]].tolist())
-                for b, q in enumerate(questions)]
+                for b, q in enumerate(user_turns)]
         rows = [r if isinstance(r, crosstok.Misaligned) or len(r.teacher_prompt_ids_Pt) <= prompt_width
                 else crosstok.Misaligned(f"teacher prompt of {len(r.teacher_prompt_ids_Pt)} tokens > {prompt_width}")
                 for r in rows]
@@ -94,6 +119,7 @@ class CrossTeacher:
         arrays = {"prompt_BxPt": prompt, "prompt_mask_BxPt": pmask, "tokens_BxNt": idx.teacher_ids_BxNt,
                   "mask_BxNt": idx.teacher_mask_BxNt, "student_span_BxN": idx.student_span_BxNs,
                   "teacher_span_BxNt": idx.teacher_span_BxNt, "span_mask_BxN": idx.span_mask_BxK,
+                  "end_span_BxN": idx.end_span_BxK,
                   "student_start_BxN": idx.student_start_BxK, "teacher_start_BxN": idx.teacher_start_BxK,
                   "aligned_B": np.asarray([r is None for r in idx.reasons])}
         return arrays, list(idx.reasons)
@@ -121,7 +147,8 @@ def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, 
     Pt = cross.prompt_BxPt.shape[1]
     hidden = _teacher_hidden(teacher_params, teacher_cfg, cross)
     head = jax.lax.stop_gradient(head_params(teacher_params))
-    out = {"span_id_BxT": cross.student_span_BxN, "span_mask_BxT": cross.span_mask_BxN}
+    out = {"span_id_BxT": cross.student_span_BxN, "span_mask_BxT": cross.span_mask_BxN,
+           "end_span_BxT": cross.end_span_BxN}
     if mode == "sampled":
         # teacher position Pt + j - 1 predicts its response token j
         h_BxNtxD = hidden[:, Pt - 1:Pt - 1 + cross.tokens_BxNt.shape[1]]
@@ -136,19 +163,32 @@ def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, 
         sums = span_sums(lp, cross.teacher_span_BxNt, cross.span_mask_BxN.shape[1])
         out["span_teacher_logprobs_BxT"] = jnp.where(cross.span_mask_BxN, sums, 0.0)
         return out
-    # dense: the teacher's distribution at each span start, projected onto the student's top-K there
+    # dense: the teacher's distribution at each span start, projected onto the student's top-K there and backed
+    # off to the start of the teacher's last token before it (`crosstok.project`: where the teacher's boundary
+    # falls can depend on the text after it)
     rows = jnp.arange(hidden.shape[0])[:, None]
-    h_BxKxD = hidden[rows, Pt - 1 + cross.teacher_start_BxN]
+    start = cross.teacher_start_BxN
+    back = cross.span_mask_BxN & (start > 0)  # the first span follows the prompt: nothing to back off to
+    last = jnp.take_along_axis(cross.tokens_BxNt, jnp.maximum(start - 1, 0), axis=1)
     support = jnp.take_along_axis(student_topk_BxNxK, cross.student_start_BxN[..., None], axis=1).astype(jnp.int32)
     K = support.shape[-1]
     earlier = jnp.tril(jnp.ones((K, K), bool), -1)
     first = ~jnp.any((support[..., :, None] == support[..., None, :]) & earlier, axis=-1)
+    inputs = {"ids": support, "first": first, "last": last}
 
     def projected(logits, inp):
         lp = jax.nn.log_softmax(logits / temperature, axis=-1)
-        return {"pi": crosstok.project_teacher(lp, inp["ids"], inp["first"], table).logprobs_PxK}
+        return crosstok.project_teacher(lp, inp["ids"], inp["first"], table)._asdict()
 
-    pi = chunked_logits_map(projected, head, h_BxKxD, {"ids": support, "first": first}, chunk, remat=False)["pi"]
+    def extensions(logits, inp):
+        lp = jax.nn.log_softmax(logits / temperature, axis=-1)
+        return crosstok.project_extensions(lp, inp["last"], inp["ids"], inp["first"], table)._asdict()
+
+    # two passes over the span starts, one [chunk, V_teacher] block of logits at a time each
+    now = chunked_logits_map(projected, head, hidden[rows, Pt - 1 + start], inputs, chunk, remat=False)
+    before = hidden[rows, jnp.maximum(Pt - 2 + start, 0)]  # predicts the last token (used where `back`)
+    ext = chunked_logits_map(extensions, head, before, inputs, chunk, remat=False)
+    pi = crosstok.back_off(crosstok.Projected(**now), crosstok.Extensions(**ext), back).logprobs_PxK
     keep = first & jnp.isfinite(pi) & cross.span_mask_BxN[..., None]  # an id the teacher cannot express: tail
     # at the student position of each span start (scatter [B, K] -> [B, N]; K = N slots)
     starts = jnp.where(cross.span_mask_BxN, cross.student_start_BxN, support.shape[1])

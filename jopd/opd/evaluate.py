@@ -159,10 +159,10 @@ def _teacher_text_logprobs(teacher_params, cross, *, t_cfg: ModelConfig, tempera
 
 def cross_divergence_B(cross_teacher, teacher_params, t_cfg: ModelConfig, batch, out, temperature: float):
     """Per row: (log p_s(response) - log p_t(response)) / (characters + end of turn); NaN if not aligned."""
-    from jopd.opd.cross_teacher import CrossBatch
+    from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch
 
     P, N = batch["prompt_tokens"].shape[1], out.tokens_BxN.shape[1]
-    arrays, reasons = cross_teacher.align(batch["question"], out.tokens_BxN, out.lengths_B, P, N + 4)
+    arrays, reasons = cross_teacher.align(batch["user_turn"], out.tokens_BxN, out.lengths_B, P, N + TEACHER_SLACK)
     t_lp = np.asarray(_teacher_text_logprobs(teacher_params, CrossBatch(**arrays), t_cfg=t_cfg,
                                              temperature=temperature))
     s_lp = np.sum(out.unprocessed_logprobs_BxN * out.response_mask_BxN, axis=1)

@@ -49,7 +49,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd import packing, rewards, teachers
-from jopd.opd.cross_teacher import CrossBatch, CrossTeacher
+from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher
 from jopd.opd.batch import RolloutArrays, TrainBatch
 from jopd.opd.optim import make_optimizer
 from jopd.opd.rewards import RLTrainState
@@ -381,7 +381,7 @@ class OPDStep:
         local row's failure reason (None: aligned)."""
         tokens, lengths = (np.asarray(x) for x in self.local_rows((sample.tokens_BxN, sample.lengths_B)))
         P, N = batch["prompt_tokens"].shape[1], tokens.shape[1]
-        arrays, reasons = self.cross.align(batch["question"], tokens, lengths, P, N + 4)
+        arrays, reasons = self.cross.align(batch["user_turn"], tokens, lengths, P, N + TEACHER_SLACK)
         return CrossBatch(**host_local_to_global(arrays, self.shardings.batch)), reasons
 
     def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray], state: TrainState):

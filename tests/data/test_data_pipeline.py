@@ -39,15 +39,16 @@ def test_prompt_batch_layout(tok):
     batch = next(train_iterator(cfg, tok))
     assert {k: (v.dtype.kind, v.shape) for k, v in batch.items()} == {
         "prompt_tokens": ("i", (4, 80)), "prompt_mask": ("i", (4, 80)), "prompt_len": ("i", (4,)),
-        "index": ("i", (4,)), "valid": ("b", (4,)), "question": ("U", (4,)), "answer": ("U", (4,)),
-        "task": ("U", (4,)), "task_id": ("i", (4,))}
+        "index": ("i", (4,)), "valid": ("b", (4,)), "question": ("U", (4,)), "user_turn": ("U", (4,)),
+        "answer": ("U", (4,)), "task": ("U", (4,)), "task_id": ("i", (4,))}
     assert set(batch["task"]) == {"arithmetic"} and not batch["task_id"].any()
     assert batch["prompt_tokens"].dtype == np.int32 and batch["index"].dtype == np.int64
     problems = load_problems(cfg, "train")
     for row in range(4):
         n = batch["prompt_len"][row]
         p = problems[int(batch["index"][row])]
-        assert (p.question, p.answer) == (batch["question"][row], batch["answer"][row])
+        assert (p.question, p.question, p.answer) == (batch["question"][row], batch["user_turn"][row],
+                                                      batch["answer"][row])
         assert batch["prompt_mask"][row].tolist() == [0] * (80 - n) + [1] * n  # left padded
         assert np.all(batch["prompt_tokens"][row, : 80 - n] == tok.pad_token_id)
         assert tok.decode(batch["prompt_tokens"][row, 80 - n:]) == tok.apply_chat_template(

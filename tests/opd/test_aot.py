@@ -385,3 +385,48 @@ def test_cli_prints_the_roofline_for_a_topology(tmp_path, capsys):
     assert report["roofline"]["chip"] == "v5e" and report["roofline"]["step_s"] > 0
     assert main(["aot", str(cfg), *TINY, "--topology", "v5e:2x2", "--stages", "weight_sync", "--no-cost"]) == 0
     assert "roofline" not in capsys.readouterr().out
+
+
+# ---- a teacher with another tokenizer ----
+
+
+def _cross_batch_bytes_per_row(prompt_len, new_tokens):
+    """`OPDStep._align`'s arrays per rollout row, from their layout: the teacher's prompt (ids, mask) and
+    response (ids, mask, span ids: new_tokens + 4 slots), the student's span ids and the per-span arrays (start
+    positions on both sides, mask, end-span flag), and the aligned flag."""
+    Nt = new_tokens + 4
+    return prompt_len * (4 + 1) + Nt * (4 + 1 + 4) + new_tokens * (4 + 4 + 4 + 1 + 1) + 1
+
+
+def test_cross_tokenizer_step_lowers_with_the_teachers_rows_and_projection_table():
+    """The toy student and a testbed teacher with SmolLM2's tokenizer (49152 ids): the run's own table (from the
+    tokenizers), its bytes held beside the scoring program, the teacher's rows an argument of the scoring."""
+    cfg = tiny_cfg("mesh.data=8", "loss.cross_tokenizer=dense", f"teacher.tokenizer={io.smollm2_gguf_path()}",
+                   "teacher.arch.hidden_size=16", "teacher.arch.intermediate_size=32")
+    report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
+    assert report.models["teacher"]["vocab"] == 49152 and report.models["student"]["vocab"] == 103
+    E = int(report.shapes["xtok_pairs"])  # an exact count: no "(estimated ...)"
+    assert report.shapes["cross_tokenizer"] == "dense" and 0 < E < 4 * 49152
+    assert report.buffers["projection_table"] == 4 * (49152 * 4 + 1 + 2 * 103 + 3 * E)
+    assert report.buffers["cross_batch"] == (8 // 8) * _cross_batch_bytes_per_row(16, 8)
+    (scoring,) = report.stages
+    assert scoring.error is None and scoring.resident["projection_table"] == report.buffers["projection_table"]
+    assert scoring.memory.argument >= report.buffers["teacher_params"] + report.buffers["cross_batch"]
+
+
+def test_cross_tokenizer_pair_from_config_json_alone_sizes_with_a_stand_in_table():
+    """Config-only model directories have no tokenizer: a stand-in table of the vocabulary sizes (4 sparse
+    entries per teacher id, said to be an estimate) lowers the scoring; a vocabulary mismatch without
+    loss.cross_tokenizer still names the field to set."""
+    arch = ROOT / "configs" / "arch"
+    base = [*TINY, "mesh.data=8", f"teacher.path={arch / 'smollm2-135m-instruct'}", "teacher.num_layers=1",
+            f"student.path={arch / 'qwen3-1.7b'}", "student.num_layers=1"]
+    report = aot.compile_opd_step(load_config(None, [*base, "loss.cross_tokenizer=sampled"]),
+                                  stages=["teacher_scoring"], progress=False)
+    Vs, Vt = 151936, 49152
+    assert report.models["student"]["vocab"] == Vs and report.models["teacher"]["vocab"] == Vt
+    assert report.shapes["xtok_pairs"] == f"{4 * Vt} (estimated: no tokenizer)"
+    assert report.buffers["projection_table"] == 4 * (Vt * 4 + 1 + 2 * Vs + 3 * 4 * Vt)
+    assert report.stages[0].error is None and report.stages[0].memory.argument > report.buffers["cross_batch"] > 0
+    with pytest.raises(ValueError, match=r"^teacher/student vocab mismatch: .* set loss.cross_tokenizer"):
+        aot.compile_opd_step(load_config(None, base), stages=["teacher_scoring"], progress=False)

@@ -3,6 +3,7 @@ and a teacher with SmolLM2's 49152-token BPE (a tiny random model). The scored f
 teacher-forced computations, the dense projection against the teacher's next-character distribution, failures
 counted, bad pairs refused before any compute, and tiny runs end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,9 @@ import pytest
 
 from jopd import crosstok
 from jopd.config_dataclass import ConfigError
+from jopd.crosstok.template import generation_prompt
 from jopd.data.pipeline import train_iterator
+from jopd.data.tasks import TASKS
 from jopd.data.toy_tokenizer import build_toy_tokenizer
 from jopd.models import io
 from jopd.models import transformer as T
@@ -56,7 +59,7 @@ def _scored(mode, tokenizers, *overrides):
 def _alignments(cross, batch, rollout):
     tokens, lengths = np.asarray(rollout.sample.tokens_BxN), np.asarray(rollout.sample.lengths_B)
     return [crosstok.align_response(cross.pair, cross.messages(q), tokens[b, :lengths[b]].tolist())
-            for b, q in enumerate(batch["question"])]
+            for b, q in enumerate(batch["user_turn"])]
 
 
 def _teacher_logprobs(teacher, t_cfg, alignment):
@@ -70,9 +73,29 @@ def _teacher_logprobs(teacher, t_cfg, alignment):
     return logp, np.array([logp[P - 1 + j, t] for j, t in enumerate(resp)])
 
 
-def test_sampled_span_logprobs_equal_the_teachers_own_tokens_teacher_forced(tokenizers):
-    step, cross, batch, rollout, scored, teacher, t_cfg = _scored("sampled", tokenizers)
+@pytest.fixture
+def framed_task():
+    """A plugin-style task whose user turn is not the question: the arithmetic problems, asked as "Solve: ..."."""
+    arithmetic = TASKS["arithmetic"]
+    TASKS.add("framed_arithmetic", dataclasses.replace(arithmetic, user_turn=lambda p: f"Solve: {p.question}",
+                                                       cache_key=lambda d: ["framed", arithmetic.cache_key(d)]))
+    yield "framed_arithmetic"
+    TASKS.remove("framed_arithmetic")
+
+
+def test_sampled_span_logprobs_equal_the_teachers_own_tokens_teacher_forced(tokenizers, framed_task):
+    """With a task whose user turn differs from the question, the teacher's prompt is its own template's rendering
+    of that user turn (as the student's prompt renders it in the student's), then the span sums."""
+    step, cross, batch, rollout, scored, teacher, t_cfg = _scored("sampled", tokenizers, f"data.task={framed_task}")
     assert step.loss_cfg.kind == "xtok_sampled"
+    toy, smol = tokenizers
+    prompts = np.asarray(rollout.arrays.cross.prompt_BxPt)
+    for b, question in enumerate(batch["question"]):
+        turn = f"Solve: {question}"
+        assert batch["user_turn"][b] == turn and turn in toy.decode(batch["prompt_tokens"][b])
+        if rollout.cross_reasons[b] is None:
+            want = generation_prompt(smol, [{"role": "user", "content": turn}])
+            assert smol.decode(prompts[b], skip_special_tokens=False).endswith(want)
     rows = _alignments(cross, batch, rollout)
     aligned = [b for b, r in enumerate(rows) if isinstance(r, crosstok.Alignment)]
     assert len(aligned) >= 4 and rollout.cross_reasons.count(None) == len(aligned)
@@ -90,13 +113,19 @@ def test_sampled_span_logprobs_equal_the_teachers_own_tokens_teacher_forced(toke
 
 
 def test_dense_projection_is_the_teachers_next_character_distribution(tokenizers):
-    """Toy (character) student, teacher at a token boundary: pi(c) = sum of p_t over teacher tokens that start
-    with c, and pi(EOS) = p_t(end of turn), by brute force over the teacher's vocabulary."""
+    """Toy (character) student against the teacher backed off to the start of its last token z (text tau):
+    pi(c) = (sum of p_j over teacher tokens starting with tau + c, plus p_j(z) times the sum of p_{j+1} over those
+    starting with c) / (sum of p_j over those starting with tau), pi(EOS) = p_j(z) p_{j+1}(end of turn) / the same;
+    at the response's first span, pi(c) = p_{j+1} of the tokens starting with c. By brute force over the
+    teacher's vocabulary."""
     step, cross, batch, rollout, scored, teacher, t_cfg = _scored("dense", tokenizers)
     assert step.loss_cfg.kind == "xtok_dense" and step.sampler.sampling.return_topk == 8
     smol_vocab, toy_vocab = cross.pair.teacher, cross.pair.student
+    text_ids = np.array([t for t in range(len(smol_vocab)) if smol_vocab.is_text(t)])
+    first_byte = np.array([smol_vocab.token_bytes[t][0] for t in text_ids])
+    strings = [smol_vocab.token_bytes[t] for t in text_ids]
     rows = _alignments(cross, batch, rollout)
-    checked = 0
+    checked = backed = 0
     for b, r in enumerate(rows):
         if not isinstance(r, crosstok.Alignment):
             assert not scored.loss.dense_mask_BxT[b].any()
@@ -106,23 +135,32 @@ def test_dense_projection_is_the_teachers_next_character_distribution(tokenizers
         for (s0, _), (t0, _) in zip(r.spans_student_Kx2, r.spans_teacher_Kx2):
             assert scored.loss.dense_mask_BxT[b, s0]
             p = np.exp(logp[P - 1 + t0])
+            if t0 > 0:  # the distribution at the start of the last teacher token, over the tokens extending it
+                z = r.teacher_ids_Nt[t0 - 1]
+                tau, pb = smol_vocab.token_bytes[z], np.exp(logp[P - 2 + t0])
+                ext = [(i, s[len(tau)]) for i, s in zip(text_ids, strings) if len(s) > len(tau) and s.startswith(tau)]
+                D = pb[z] + sum(pb[i] for i, _ in ext)
             ids = scored.loss.teacher_topk_ids_BxTxK[b, s0]
             keep = scored.loss.support_mask_BxTxK[b, s0]
             for s, ok, got in zip(ids, keep, scored.loss.teacher_topk_logprobs_BxTxK[b, s0]):
                 if s == toy_vocab.eos_id:
                     want = p[cross.pair.teacher_end_ids[0]]
+                    if t0 > 0:
+                        want = pb[z] * want / D
                 elif toy_vocab.is_text(s):
-                    c = toy_vocab.token_bytes[s]
-                    want = sum(p[t] for t in range(len(smol_vocab)) if smol_vocab.is_text(t)
-                               and smol_vocab.token_bytes[t].startswith(c))
+                    c = toy_vocab.token_bytes[s][0]
+                    want = p[text_ids[first_byte == c]].sum()
+                    if t0 > 0:
+                        want = (sum(pb[i] for i, nxt in ext if nxt == c) + pb[z] * want) / D
                 else:  # a special student token the teacher cannot express: in the tail
                     assert not ok
                     continue
                 if ok:
                     np.testing.assert_allclose(math.exp(got), want, rtol=2e-4)
                     checked += 1
+                    backed += t0 > 0 and len(ext) > 0
         assert scored.loss.dense_mask_BxT[b].sum() == r.n_spans
-    assert checked > 40
+    assert checked > 40 and backed > 20
 
 
 def test_a_pair_that_cannot_align_is_refused_before_any_compute(tmp_path):
