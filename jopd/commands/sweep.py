@@ -7,7 +7,9 @@ Resumable: finished runs are skipped and an interrupted one resumes from its che
 command after a kill continues where it stopped. Then every run is compared with the baseline run of the same
 training seed (the per-run quality rule), every setup with all baseline seeds (the seed-aware rule), and the
 pass/fail bracket is read off the mismatch axis. Writes OUT/runs.csv, OUT/setups.csv, OUT/summary.json,
-OUT/bracket.png and, with a `screen` section, OUT/screen.json (offline decisions vs the full runs' verdicts).
+OUT/bracket.png and, with a `screen` section, OUT/screen.json (offline decisions vs the full runs' verdicts);
+setups with a `group` get a bracket each and OUT/groups.png. `--analyze-only` tables the runs finished so far
+(the others are listed as not finished; the screen waits for its setups), with each run's wall time.
 With `methods` (a contrast: e.g. OPD vs REINFORCE vs GRPO on the same setups), every method runs the baseline and
 every setup, each is judged by its own rule (the quality rule, or the RL broke criterion of `jopd compare --rl`)
 against its own baseline, and OUT/contrast.{json,png} put them side by side.
@@ -28,6 +30,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-screen", action="store_true", help="skip the screening section")
 
 
+def _screen_ready(sweep, result, log) -> bool:
+    """The screen needs every calibration and candidate setup's runs finished; otherwise it waits (one line)."""
+    names = set(sweep.screen.calibration) | set(sweep.screen.candidates)
+    missing = [m for m in result["missing"] if m.split("/")[0] in names]
+    if missing:
+        log(f"screen: skipped until {len(missing)} more run(s) finish ({', '.join(missing)})")
+    return not missing
+
+
 def run(args: argparse.Namespace) -> int:
     from jopd.lab import sweep_report
     from jopd.lab.sweep import run_sweep
@@ -46,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if sweep.methods is not None:  # a contrast of methods: each judged by its own rule, then side by side
         results = {}
         for method in sweep.methods:
-            results[method] = sweep_report.analyze(sweep, method)
+            try:
+                results[method] = sweep_report.analyze(sweep, method)
+            except ValueError as e:  # a contrast in progress: this method's baseline has not finished yet
+                log(f"{method}: {e}")
+                continue
             sweep_report.write_tables(results[method], out / method)
             if results[method]["rule"] == "quality":
                 sweep_report.plot(results[method], out / method / "bracket.png")
@@ -60,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
     result = sweep_report.analyze(sweep)
     sweep_report.write_tables(result, out)
     sweep_report.plot(result, out / "bracket.png")
+    if result["groups"]:
+        sweep_report.plot_groups(result, out / "groups.png")
     print(sweep_report.table(result))
-    if sweep.screen is not None and not args.no_screen:
+    if sweep.screen is not None and not args.no_screen and _screen_ready(sweep, result, log):
         from jopd.lab.screen import screen_sweep
 
         reports = screen_sweep(sweep, result, log=log)

@@ -247,9 +247,37 @@ def training_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     return [rows[s] for s in sorted(rows)]
 
 
+def mean_metric(run_dir: str | Path, key: str, last_frac: float = 1.0) -> float | None:
+    """Mean of metric `key` over the training steps logged in `RUN_DIR/metrics.jsonl` (`step_rows`), over the
+    last `last_frac` of those steps (1: all); None when absent or never logged (non-finite values skipped)."""
+    rows = step_rows(run_dir)
+    steps = sorted(rows)[-max(1, math.ceil(len(rows) * last_frac)):] if rows else []
+    vals = [float(rows[s][key]) for s in steps
+            if isinstance(rows[s].get(key), (int, float)) and math.isfinite(rows[s][key])]
+    return float(np.mean(vals)) if vals else None
+
+
 def mean_mismatch(run_dir: str | Path) -> float | None:
     """Mean of `mismatch_kl` over the training steps logged in `RUN_DIR/metrics.jsonl` (`step_rows`); None when
     absent or never logged."""
-    vals = [float(r["mismatch_kl"]) for r in step_rows(run_dir).values()
-            if isinstance(r.get("mismatch_kl"), (int, float)) and math.isfinite(r["mismatch_kl"])]
-    return float(np.mean(vals)) if vals else None
+    return mean_metric(run_dir, "mismatch_kl")
+
+
+WALL_FILE = "sweep_wall.jsonl"  # RUN/sweep_wall.jsonl: one line per time `jopd sweep` trained the run
+
+
+def wall_seconds(run_dir: str | Path) -> float | None:
+    """Wall seconds `jopd sweep` spent training RUN_DIR (the sum over its resumes, `WALL_FILE`; a run killed
+    mid-way loses that stretch); None when the run has no such file (trained outside a sweep, or before it
+    was recorded)."""
+    path = Path(run_dir) / WALL_FILE
+    if not path.is_file():
+        return None
+    total = 0.0
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                total += float(json.loads(line)["wall_s"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{n}: expected a JSON object with wall_s") from None
+    return total

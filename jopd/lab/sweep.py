@@ -21,12 +21,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jopd.lab.runs import eval_path, is_finished
+from jopd.lab.runs import WALL_FILE, eval_path, is_finished
 from jopd.lab.sweep_config import SetupConfig, SweepConfig
 from jopd.opd.run_config import RunConfig, load_config
-
-
-WALL_FILE = "sweep_wall.jsonl"  # RUN/sweep_wall.jsonl: the wall seconds of each time the sweep trained this run
 
 
 def run_dir(sweep: SweepConfig, setup: str, seed: int, method: str | None = None) -> Path:
@@ -138,6 +135,7 @@ def _train_planned(sweep: SweepConfig, log) -> list[dict]:
         status = "trained" if "after" in summary else "interrupted"
         wall = time.perf_counter() - t0
         records.append(rec | {"status": status, "wall_s": wall})
+        out.mkdir(parents=True, exist_ok=True)
         with open(out / WALL_FILE, "a") as f:  # one line per (re)start of this run: resumes add up
             f.write(json.dumps({"status": status, "wall_s": round(wall, 2), "steps": summary.get("steps"),
                                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
