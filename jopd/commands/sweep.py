@@ -40,7 +40,7 @@ def _screen_ready(sweep, result, log) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jopd.lab import sweep_report
+    from jopd.lab import studies, sweep_report
     from jopd.lab.sweep import run_sweep
     from jopd.lab.sweep_config import load_sweep
 
@@ -67,9 +67,12 @@ def run(args: argparse.Namespace) -> int:
                 sweep_report.plot(results[method], out / method / "bracket.png")
             print(sweep_report.table(results[method]))
         c = sweep_report.contrast(results)
+        c["gaps"] = studies.method_gaps(sweep)  # quality-rule methods only (e.g. two horizons); else []
         (out / "contrast.json").write_text(json.dumps(c, indent=2, default=float) + "\n")
         sweep_report.plot_contrast(c, out / "contrast.png")
         print(sweep_report.contrast_table(c))
+        if c["gaps"]:
+            print(studies.gaps_table(c["gaps"]))
         print(f"wrote {out}/contrast.json, contrast.png and per-method tables ({time.perf_counter() - t0:.0f} s)")
         return 0
     result = sweep_report.analyze(sweep)

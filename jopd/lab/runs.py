@@ -235,6 +235,27 @@ def step_rows(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return rows
 
 
+def prefixed_rows(run_dir: str | Path, prefix: str) -> dict[int, dict[str, float]]:
+    """The rows of `RUN_DIR/metrics.jsonl` holding `prefix`ed keys (e.g. "probe/" from `train.probe_every`,
+    "eval/" from the held-out evals), by step, with the prefix stripped; a step logged twice (a resume) keeps
+    its last row. Missing file: {}."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        mine = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)} if isinstance(row, dict) else {}
+        if mine and "step" in row:
+            out[int(row["step"])] = mine
+    return out
+
+
 def training_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     """The training rows of `RUN_DIR/metrics.jsonl` (`step_rows`), sorted by step; a missing file or one without
     training rows is an error."""

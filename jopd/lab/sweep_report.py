@@ -177,6 +177,7 @@ def analyze_broke(sweep: SweepConfig, method: str) -> dict[str, Any]:
     """RL runs: the broke criterion (`jopd.lab.rl_verdict`) of every run against the method's standard-engine
     run of the same seed (else its first seed); per setup, how many of its seeds broke."""
     from jopd.lab.rl_verdict import rl_verdict
+    from jopd.lab.studies import accuracy_curve
 
     q = sweep.quality
     base_seeds = finished_seeds(sweep, sweep.baseline, method)
@@ -214,7 +215,9 @@ def analyze_broke(sweep: SweepConfig, method: str) -> dict[str, Any]:
             "baseline": {"setup": sweep.baseline.name, "seeds": base_seeds,
                          "accuracy_per_seed": [b["accuracy"] for b in base],
                          "divergence_per_seed": [b["divergence"] for b in base],
-                         "wall_s_per_seed": [b["wall_s"] for b in base]},
+                         "wall_s_per_seed": [b["wall_s"] for b in base],
+                         # held-out accuracy at every eval of the run (before = step 0, train.eval_every, after)
+                         "accuracy_curve_per_seed": [accuracy_curve(b["dir"]) for b in base]},
             "compute": _compute(base, [r | {"baseline": False} for r in runs], setups)}
 
 
@@ -295,8 +298,12 @@ def table(result: dict[str, Any]) -> str:
     b = result["baseline"]
     if result["rule"] == "broke":
         lines = [f"{result['method']}: baseline {b['setup']} held-out accuracy per seed "
-                 + " · ".join(f"{a:.1%}" for a in b["accuracy_per_seed"]),
-                 f"{'setup':16s} {'mismatch':>9s}  accuracy change per seed (verdict)"]
+                 + " · ".join(f"{a:.1%}" for a in b["accuracy_per_seed"])]
+        for seed, curve in zip(b["seeds"], b.get("accuracy_curve_per_seed", [])):
+            if len(curve) > 1:
+                lines.append(f"  seed {seed} along the run: " + ", ".join(f"{a:.1%} @{s}" for s, a in curve)
+                             + f" (gain {curve[-1][1] - curve[0][1]:+.1%}, best {max(a for _, a in curve) - curve[0][1]:+.1%})")
+        lines.append(f"{'setup':16s} {'mismatch':>9s}  accuracy change per seed (verdict)")
         for s in sorted(result["setups"], key=lambda s: s["mismatch"]):
             rows = [r for r in result["runs"] if r["setup"] == s["setup"]]
             per = "  ".join(f"{r['acc_diff']:+.1%} [{r['ci_low']:+.1%}, {r['ci_high']:+.1%}] {r['verdict']}"
