@@ -8,7 +8,9 @@ command after a kill continues where it stopped. Then every run is compared with
 training seed (the per-run quality rule), every setup with all baseline seeds (the seed-aware rule), and the
 pass/fail bracket is read off the mismatch axis. Writes OUT/runs.csv, OUT/setups.csv, OUT/summary.json,
 OUT/bracket.png and, with a `screen` section, OUT/screen.json (offline decisions vs the full runs' verdicts);
-runs that mix several tasks (`data.mix`) add OUT/tasks.{csv,json,png}: each setup on each task's problems.
+runs that mix several tasks (`data.mix`) add OUT/tasks.{csv,json,png}: each setup on each task's problems;
+setups with a `group` get a bracket each and OUT/groups.png. `--analyze-only` tables the runs finished so far
+(the others are listed as not finished; the screen waits for its setups), with each run's wall time.
 With `methods` (a contrast: e.g. OPD vs REINFORCE vs GRPO on the same setups), every method runs the baseline and
 every setup, each is judged by its own rule (the quality rule, or the RL broke criterion of `jopd compare --rl`)
 against its own baseline, and OUT/contrast.{json,png} put them side by side.
@@ -29,8 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-screen", action="store_true", help="skip the screening section")
 
 
+def _screen_ready(sweep, result, log) -> bool:
+    """The screen needs every calibration and candidate setup's runs finished; otherwise it waits (one line)."""
+    names = set(sweep.screen.calibration) | set(sweep.screen.candidates)
+    missing = [m for m in result["missing"] if m.split("/")[0] in names]
+    if missing:
+        log(f"screen: skipped until {len(missing)} more run(s) finish ({', '.join(missing)})")
+    return not missing
+
+
 def run(args: argparse.Namespace) -> int:
-    from jopd.lab import sweep_report, task_report
+    from jopd.lab import studies, sweep_report, task_report
     from jopd.lab.sweep import run_sweep
     from jopd.lab.sweep_config import load_sweep
 
@@ -47,27 +58,36 @@ def run(args: argparse.Namespace) -> int:
     if sweep.methods is not None:  # a contrast of methods: each judged by its own rule, then side by side
         results = {}
         for method in sweep.methods:
-            results[method] = sweep_report.analyze(sweep, method)
+            try:
+                results[method] = sweep_report.analyze(sweep, method)
+            except ValueError as e:  # a contrast in progress: this method's baseline has not finished yet
+                log(f"{method}: {e}")
+                continue
             sweep_report.write_tables(results[method], out / method)
             if results[method]["rule"] == "quality":
                 sweep_report.plot(results[method], out / method / "bracket.png")
             print(sweep_report.table(results[method]))
         c = sweep_report.contrast(results)
+        c["gaps"] = studies.method_gaps(sweep)  # quality-rule methods only (e.g. two horizons); else []
         (out / "contrast.json").write_text(json.dumps(c, indent=2, default=float) + "\n")
         sweep_report.plot_contrast(c, out / "contrast.png")
         print(sweep_report.contrast_table(c))
+        if c["gaps"]:
+            print(studies.gaps_table(c["gaps"]))
         print(f"wrote {out}/contrast.json, contrast.png and per-method tables ({time.perf_counter() - t0:.0f} s)")
         return 0
     result = sweep_report.analyze(sweep)
     sweep_report.write_tables(result, out)
     sweep_report.plot(result, out / "bracket.png")
+    if result["groups"]:
+        sweep_report.plot_groups(result, out / "groups.png")
     print(sweep_report.table(result))
     tasks = task_report.analyze_tasks(sweep)
     if tasks is not None:  # runs that mix several tasks: each setup on each task's problems
         task_report.write_tasks(tasks, out)
         task_report.plot_tasks(tasks, out / "tasks.png")
         print(task_report.tasks_table(tasks))
-    if sweep.screen is not None and not args.no_screen:
+    if sweep.screen is not None and not args.no_screen and _screen_ready(sweep, result, log):
         from jopd.lab.screen import screen_sweep
 
         reports = screen_sweep(sweep, result, log=log)

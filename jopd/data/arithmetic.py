@@ -33,7 +33,7 @@ _MUL = {2: "doubles them", 3: "triples them"}
 class ArithmeticConfig:
     seed: int = 0  # problem-generation seed; the held-out split depends only on it and the difficulty fields
     min_steps: int = pydantic.Field(1, ge=1)  # fewest operations per problem
-    max_steps: int = pydantic.Field(3, ge=1, le=6)  # most operations per problem (the difficulty knob)
+    max_steps: int = pydantic.Field(3, ge=1, le=16)  # most operations per problem (the difficulty knob)
     max_number: int = pydantic.Field(20, ge=2)  # added/subtracted amounts and starting counts lie in [1, max_number]
     max_factor: int = pydantic.Field(3, ge=2, le=9)  # "N bags of": N in [2, max_factor]; doubles/triples if <= it
     train_size: int = pydantic.Field(1_000_000, ge=1)  # virtual train stream length before an epoch wraps

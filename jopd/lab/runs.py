@@ -240,6 +240,27 @@ def step_rows(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return rows
 
 
+def prefixed_rows(run_dir: str | Path, prefix: str) -> dict[int, dict[str, float]]:
+    """The rows of `RUN_DIR/metrics.jsonl` holding `prefix`ed keys (e.g. "probe/" from `train.probe_every`,
+    "eval/" from the held-out evals), by step, with the prefix stripped; a step logged twice (a resume) keeps
+    its last row. Missing file: {}."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        mine = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)} if isinstance(row, dict) else {}
+        if mine and "step" in row:
+            out[int(row["step"])] = mine
+    return out
+
+
 def training_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     """The training rows of `RUN_DIR/metrics.jsonl` (`step_rows`), sorted by step; a missing file or one without
     training rows is an error."""
@@ -252,9 +273,37 @@ def training_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     return [rows[s] for s in sorted(rows)]
 
 
+def mean_metric(run_dir: str | Path, key: str, last_frac: float = 1.0) -> float | None:
+    """Mean of metric `key` over the training steps logged in `RUN_DIR/metrics.jsonl` (`step_rows`), over the
+    last `last_frac` of those steps (1: all); None when absent or never logged (non-finite values skipped)."""
+    rows = step_rows(run_dir)
+    steps = sorted(rows)[-max(1, math.ceil(len(rows) * last_frac)):] if rows else []
+    vals = [float(rows[s][key]) for s in steps
+            if isinstance(rows[s].get(key), (int, float)) and math.isfinite(rows[s][key])]
+    return float(np.mean(vals)) if vals else None
+
+
 def mean_mismatch(run_dir: str | Path) -> float | None:
     """Mean of `mismatch_kl` over the training steps logged in `RUN_DIR/metrics.jsonl` (`step_rows`); None when
     absent or never logged."""
-    vals = [float(r["mismatch_kl"]) for r in step_rows(run_dir).values()
-            if isinstance(r.get("mismatch_kl"), (int, float)) and math.isfinite(r["mismatch_kl"])]
-    return float(np.mean(vals)) if vals else None
+    return mean_metric(run_dir, "mismatch_kl")
+
+
+WALL_FILE = "sweep_wall.jsonl"  # RUN/sweep_wall.jsonl: one line per time `jopd sweep` trained the run
+
+
+def wall_seconds(run_dir: str | Path) -> float | None:
+    """Wall seconds `jopd sweep` spent training RUN_DIR (the sum over its resumes, `WALL_FILE`; a run killed
+    mid-way loses that stretch); None when the run has no such file (trained outside a sweep, or before it
+    was recorded)."""
+    path = Path(run_dir) / WALL_FILE
+    if not path.is_file():
+        return None
+    total = 0.0
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                total += float(json.loads(line)["wall_s"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{n}: expected a JSON object with wall_s") from None
+    return total

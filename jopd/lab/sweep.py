@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import socket
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jopd.lab.runs import eval_path, is_finished
+from jopd.lab.runs import WALL_FILE, eval_path, is_finished
 from jopd.lab.sweep_config import SetupConfig, SweepConfig
 from jopd.opd.run_config import RunConfig, load_config
 
@@ -132,7 +133,12 @@ def _train_planned(sweep: SweepConfig, log) -> list[dict]:
         t0 = time.perf_counter()
         summary = train(cfg, log=log, probe_hook=training_probe)
         status = "trained" if "after" in summary else "interrupted"
-        records.append(rec | {"status": status, "wall_s": time.perf_counter() - t0})
+        wall = time.perf_counter() - t0
+        records.append(rec | {"status": status, "wall_s": wall})
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / WALL_FILE, "a") as f:  # one line per (re)start of this run: resumes add up
+            f.write(json.dumps({"status": status, "wall_s": round(wall, 2), "steps": summary.get("steps"),
+                                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
         if status == "interrupted":  # preempted (SIGTERM/SIGINT): the run saved its state; a rerun resumes it
             log(f"{out}: stopped at step {summary['steps']}; rerun the sweep to resume")
             break

@@ -31,6 +31,9 @@ class SetupConfig:
     name: str = _NAME
     overrides: tuple[str, ...] = ()  # key=value overrides of this setup (e.g. rollout_precision.logit_noise=1.0)
     seeds: tuple[int, ...] = (0,)  # training seeds (train.seed); the baseline's seed k pairs with setup seed k
+    # setups sharing a group (e.g. one IS correction across engines) get a bracket of their own; the ungrouped
+    # setups give the sweep's main bracket. Every group is judged against the same baseline.
+    group: str | None = pydantic.Field(None, pattern=r"^[A-Za-z0-9_.+-]+$")
 
     @pydantic.field_validator("seeds")
     @classmethod

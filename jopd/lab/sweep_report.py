@@ -1,6 +1,10 @@
 """A finished sweep's analysis: the quality rule for every run against the baseline run of the same training
 seed, a seed-aware verdict per setup, the pass/fail bracket on the mismatch axis, the baseline's own seed
-spread; written as OUT/summary.{csv,json} and OUT/bracket.png.
+spread, each run's wall time; written as OUT/summary.{csv,json} and OUT/bracket.png.
+
+Setups with a `group` (e.g. one IS correction over a ladder of engines) get a bracket per group beside the main
+one (the ungrouped setups'), each grouped setup is also compared with its ungrouped twin (the same engine
+without the group's overrides), and OUT/groups.png puts the groups' brackets on one plot.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from typing import Any
 import numpy as np
 
 from jopd.lab import quality
-from jopd.lab.runs import mean_mismatch, read_eval, read_eval_summary
+from jopd.lab.runs import is_finished, mean_metric, mean_mismatch, read_eval, read_eval_summary, wall_seconds
 from jopd.lab.screening import calibrate
 from jopd.lab.sweep import run_dir
-from jopd.lab.sweep_config import SweepConfig
+from jopd.lab.sweep_config import SetupConfig, SweepConfig
+
+# per-step metrics averaged over each run's training steps into its row (None where the run did not log them)
+RUN_METRICS = ("is_frac_truncated", "is_frac_dropped", "is_weight_mean", "is_ess")
 
 
 def _run_record(sweep: SweepConfig, setup: str, seed: int, method: str | None = None) -> dict[str, Any]:
@@ -28,26 +35,59 @@ def _run_record(sweep: SweepConfig, setup: str, seed: int, method: str | None = 
         raise ValueError(f"{d}/metrics.jsonl: no mismatch_kl logged (the sweep runs with train.mismatch=exact)")
     summary = read_eval_summary(d, sweep.quality.eval)
     return {"setup": setup, "seed": seed, "dir": str(d), "mismatch": mm, "eval": ev,
-            "divergence": float(np.mean(ev.divergence)), "accuracy": float(summary.get("accuracy", math.nan))}
+            "divergence": float(np.mean(ev.divergence)), "accuracy": float(summary.get("accuracy", math.nan)),
+            "wall_s": wall_seconds(d), **{k: mean_metric(d, k) for k in RUN_METRICS}}
+
+
+def ungrouped_twin(setup: SetupConfig, setups: list[SetupConfig]) -> SetupConfig | None:
+    """The ungrouped setup whose overrides are the largest proper subset of `setup`'s (e.g. `noise_2.0` for
+    `noise_2.0_tis` = noise 2.0 + is_mode=tis): the same engine without the group's own overrides. None when
+    no ungrouped setup's overrides are a proper subset, or when the largest is not unique."""
+    mine = set(setup.overrides)
+    cands = [s for s in setups if s.group is None and set(s.overrides) < mine]
+    if not cands:
+        return None
+    best = max(len(s.overrides) for s in cands)
+    top = [s for s in cands if len(s.overrides) == best]
+    return top[0] if len(top) == 1 else None
+
+
+def finished_seeds(sweep: SweepConfig, setup: SetupConfig, method: str | None = None) -> list[int]:
+    """The seeds of `setup` whose runs have finished (their final eval written)."""
+    return [k for k in setup.seeds if is_finished(run_dir(sweep, setup.name, k, method))]
+
+
+def missing_runs(sweep: SweepConfig, method: str | None = None) -> list[str]:
+    """`setup/seed<k>` of every planned run not finished yet (an analysis of a sweep in progress leaves them out)."""
+    return [f"{s.name}/seed{k}" for s in sweep.all_setups() for k in s.seeds
+            if not is_finished(run_dir(sweep, s.name, k, method))]
 
 
 def analyze(sweep: SweepConfig, method: str | None = None) -> dict[str, Any]:
     """Every run's verdict (vs the baseline run with its seed, else the baseline's first seed), each setup's
     seed-aware verdict (vs all baseline seeds), the per-run and seed-aware brackets, the baseline spread.
-    A method judged by the broke rule (RL) gets `analyze_broke` instead."""
+    A method judged by the broke rule (RL) gets `analyze_broke` instead. A sweep in progress is analyzed on
+    its finished runs: the others are listed in "missing" (a setup with no finished seed is left out)."""
     if method is not None and sweep.methods[method].rule == "broke":
         return analyze_broke(sweep, method)
     q = sweep.quality
-    base = {s: _run_record(sweep, sweep.baseline.name, s, method) for s in sweep.baseline.seeds}
-    first = sweep.baseline.seeds[0]
+    base_seeds = finished_seeds(sweep, sweep.baseline, method)
+    if not base_seeds:
+        raise ValueError(f"{run_dir(sweep, sweep.baseline.name, sweep.baseline.seeds[0], method).parent}: no "
+                         f"finished baseline run yet, nothing to compare with")
+    base = {s: _run_record(sweep, sweep.baseline.name, s, method) for s in base_seeds}
+    first = base_seeds[0]
     base_arrays = [quality.pair(b["eval"], base[first]["eval"])[1] for b in base.values()]
-    runs, setups = [], []
-    for s in sweep.baseline.seeds[1:]:  # what the per-run rule says about seed noise alone
+    runs, setups, setup_arrays = [], [], {}
+    for s in base_seeds[1:]:  # what the per-run rule says about seed noise alone
         ids, run_B, base_B = quality.pair(base[s]["eval"], base[first]["eval"])
         v = quality.quality_rule(run_B, base_B, q.threshold, q.resamples, q.seed)
         runs.append(_row(base[s], v, paired_with=first, baseline=True))
-    for setup in sweep.setups:
-        recs = [_run_record(sweep, setup.name, s, method) for s in setup.seeds]
+    done = [(setup, finished_seeds(sweep, setup, method)) for setup in sweep.setups]
+    for setup, seeds in done:
+        if not seeds:
+            continue
+        recs = [_run_record(sweep, setup.name, s, method) for s in seeds]
         arrays = []
         for r in recs:
             b = base.get(r["seed"], base[first])
@@ -57,43 +97,103 @@ def analyze(sweep: SweepConfig, method: str | None = None) -> dict[str, Any]:
             arrays.append(quality.pair(r["eval"], base[first]["eval"])[1])
         sa = quality.seed_aware_rule(arrays, base_arrays, q.threshold, q.resamples, q.seed)
         per_run = [x["verdict"] for x in runs if x["setup"] == setup.name]
-        setups.append({"setup": setup.name, "seeds": list(setup.seeds), "overrides": list(setup.overrides),
+        setup_arrays[setup.name] = arrays
+        setups.append({"setup": setup.name, "group": setup.group, "seeds": seeds,
+                       "overrides": list(setup.overrides),
+                       "wall_s": _total([r["wall_s"] for r in recs]),
+                       **{k: _mean_or_none([r[k] for r in recs]) for k in RUN_METRICS},
                        "mismatch": float(np.mean([r["mismatch"] for r in recs])),
                        "mismatch_per_seed": [r["mismatch"] for r in recs],
                        "divergence_per_seed": [r["divergence"] for r in recs],
                        "accuracy_per_seed": [r["accuracy"] for r in recs],
                        "per_run_verdicts": per_run, "seed_aware": sa.to_dict(),
                        "disagree": any(v != sa.verdict for v in per_run)})
+    analyzed = [setup for setup, seeds in done if seeds]
+    for row, setup in zip(setups, analyzed):  # a grouped setup against the same engine without the group
+        twin = ungrouped_twin(setup, analyzed) if setup.group is not None else None
+        if twin is not None:
+            v = quality.seed_aware_rule(setup_arrays[setup.name], setup_arrays[twin.name], q.threshold,
+                                        q.resamples, q.seed)
+            row["vs_ungrouped"] = {"setup": twin.name, "rise": v.rise, "rise_ci_low": v.rise_ci_low,
+                                   "rise_ci_high": v.rise_ci_high, "diff_mean": v.diff_mean, "ci_low": v.ci_low,
+                                   "ci_high": v.ci_high}
     base_means = [b["divergence"] for b in base.values()]
     grand = float(np.mean(base_means))
-    setup_runs = [r for r in runs if not r["baseline"]]
+    group_of = {s.name: s.group for s in sweep.setups}
+    setup_runs = [r for r in runs if not r["baseline"] and group_of[r["setup"]] is None]
+    main_setups = [s for s in setups if s["group"] is None]
     out = {"method": method, "rule": "quality", "threshold": q.threshold, "eval": q.eval,
-           "baseline": {"setup": sweep.baseline.name, "seeds": list(sweep.baseline.seeds),
+           "missing": missing_runs(sweep, method),
+           "baseline": {"setup": sweep.baseline.name, "seeds": base_seeds,
                         "divergence_per_seed": base_means, "accuracy_per_seed": [b["accuracy"] for b in base.values()],
                         "seed_rises": [m / grand - 1 for m in base_means],
                         "rel_range": (max(base_means) - min(base_means)) / grand,
-                        "mismatch_per_seed": [b["mismatch"] for b in base.values()]},
+                        "mismatch_per_seed": [b["mismatch"] for b in base.values()],
+                        "wall_s_per_seed": [b["wall_s"] for b in base.values()]},
            "runs": runs, "setups": setups,
            "bracket_per_run": _bracket([(r["mismatch"], r["verdict"]) for r in setup_runs],
                                        [f"{r['setup']}/seed{r['seed']}" for r in setup_runs]),
-           "bracket_seed_aware": _bracket([(s["mismatch"], s["seed_aware"]["verdict"]) for s in setups],
-                                          [s["setup"] for s in setups])}
+           "bracket_seed_aware": _bracket([(s["mismatch"], s["seed_aware"]["verdict"]) for s in main_setups],
+                                          [s["setup"] for s in main_setups]),
+           "groups": _group_brackets(runs, setups),
+           "compute": _compute(base.values(), runs, setups)}
     return out
+
+
+def _total(vals: list[float | None]) -> float | None:
+    return float(sum(vals)) if vals and all(v is not None for v in vals) else None
+
+
+def _mean_or_none(vals: list[float | None]) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _group_brackets(runs: list[dict], setups: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per group: its brackets (per run and seed-aware) from its own setups only."""
+    out = {}
+    for g in dict.fromkeys(s["group"] for s in setups if s["group"] is not None):
+        mine = [s for s in setups if s["group"] == g]
+        names = {s["setup"] for s in mine}
+        rr = [r for r in runs if r["setup"] in names and not r["baseline"]]
+        out[g] = {"setups": sorted(names, key=lambda n: next(s["mismatch"] for s in mine if s["setup"] == n)),
+                  "bracket_per_run": _bracket([(r["mismatch"], r["verdict"]) for r in rr],
+                                              [f"{r['setup']}/seed{r['seed']}" for r in rr]),
+                  "bracket_seed_aware": _bracket([(s["mismatch"], s["seed_aware"]["verdict"]) for s in mine],
+                                                 [s["setup"] for s in mine])}
+    return out
+
+
+def _compute(base_recs, runs: list[dict], setups: list[dict]) -> dict[str, Any]:
+    """Wall time the sweep spent training (runs without a record are counted, not timed)."""
+    walls = [b["wall_s"] for b in base_recs] + [r["wall_s"] for r in runs if not r["baseline"]]
+    timed = [w for w in walls if w is not None]
+    return {"runs": len(walls), "timed_runs": len(timed), "wall_s_total": float(sum(timed)),
+            "wall_s_median": float(np.median(timed)) if timed else None,
+            "wall_s_max": float(max(timed)) if timed else None}
 
 
 def analyze_broke(sweep: SweepConfig, method: str) -> dict[str, Any]:
     """RL runs: the broke criterion (`jopd.lab.rl_verdict`) of every run against the method's standard-engine
     run of the same seed (else its first seed); per setup, how many of its seeds broke."""
     from jopd.lab.rl_verdict import rl_verdict
+    from jopd.lab.studies import accuracy_curve
 
     q = sweep.quality
-    first = sweep.baseline.seeds[0]
-    base_dir = lambda seed: run_dir(sweep, sweep.baseline.name, seed if seed in sweep.baseline.seeds else first,  # noqa: E731
+    base_seeds = finished_seeds(sweep, sweep.baseline, method)
+    if not base_seeds:
+        raise ValueError(f"{run_dir(sweep, sweep.baseline.name, sweep.baseline.seeds[0], method).parent}: no "
+                         f"finished baseline run yet, nothing to compare with")
+    first = base_seeds[0]
+    base_dir = lambda seed: run_dir(sweep, sweep.baseline.name, seed if seed in base_seeds else first,  # noqa: E731
                                     method)
     runs, setups = [], []
     for setup in sweep.setups:
         rows = []
-        for seed in setup.seeds:
+        seeds = finished_seeds(sweep, setup, method)
+        if not seeds:
+            continue
+        for seed in seeds:
             rec = _run_record(sweep, setup.name, seed, method)
             v = rl_verdict(rec["dir"], base_dir(seed), q.eval)
             rows.append({"setup": setup.name, "seed": seed, "baseline": False, "mismatch": rec["mismatch"],
@@ -101,25 +201,31 @@ def analyze_broke(sweep: SweepConfig, method: str) -> dict[str, Any]:
                          "base_accuracy": v.accuracy.base_accuracy, "acc_diff": v.accuracy.diff_mean,
                          "ci_low": v.accuracy.ci_low, "ci_high": v.accuracy.ci_high, "verdict": v.verdict,
                          "reasons": [v.accuracy.reason] * v.accuracy.broke + list(v.collapse.signals),
-                         "final_reward": v.collapse.reward, "final_entropy": v.collapse.entropy})
+                         "final_reward": v.collapse.reward, "final_entropy": v.collapse.entropy,
+                         "wall_s": rec["wall_s"]})
         runs += rows
-        setups.append({"setup": setup.name, "seeds": list(setup.seeds), "overrides": list(setup.overrides),
+        setups.append({"setup": setup.name, "seeds": seeds, "overrides": list(setup.overrides),
                        "mismatch": float(np.mean([r["mismatch"] for r in rows])),
                        "per_run_verdicts": [r["verdict"] for r in rows],
                        "broke": sum(r["verdict"] == "BROKE" for r in rows),
                        "acc_diff_mean": float(np.mean([r["acc_diff"] for r in rows]))})
-    base = [_run_record(sweep, sweep.baseline.name, s, method) for s in sweep.baseline.seeds]
+    base = [_run_record(sweep, sweep.baseline.name, s, method) for s in base_seeds]
     return {"method": method, "rule": "broke", "eval": q.eval, "runs": runs, "setups": setups,
-            "baseline": {"setup": sweep.baseline.name, "seeds": list(sweep.baseline.seeds),
+            "missing": missing_runs(sweep, method),
+            "baseline": {"setup": sweep.baseline.name, "seeds": base_seeds,
                          "accuracy_per_seed": [b["accuracy"] for b in base],
-                         "divergence_per_seed": [b["divergence"] for b in base]}}
+                         "divergence_per_seed": [b["divergence"] for b in base],
+                         "wall_s_per_seed": [b["wall_s"] for b in base],
+                         # held-out accuracy at every eval of the run (before = step 0, train.eval_every, after)
+                         "accuracy_curve_per_seed": [accuracy_curve(b["dir"]) for b in base]},
+            "compute": _compute(base, [r | {"baseline": False} for r in runs], setups)}
 
 
 def _row(rec: dict[str, Any], v: quality.QualityVerdict, *, paired_with: int, baseline: bool = False) -> dict:
     return {"setup": rec["setup"], "seed": rec["seed"], "baseline": baseline, "paired_with_base_seed": paired_with,
             "mismatch": rec["mismatch"], "divergence": rec["divergence"], "accuracy": rec["accuracy"],
             "rise": v.rise, "diff_mean": v.diff_mean, "ci_low": v.ci_low, "ci_high": v.ci_high,
-            "verdict": v.verdict}
+            "verdict": v.verdict, "wall_s": rec["wall_s"], **{k: rec[k] for k in RUN_METRICS}}
 
 
 def _bracket(points, labels) -> dict[str, Any] | None:
@@ -135,62 +241,108 @@ def write_tables(result: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
     if result["rule"] == "broke":
-        cols = ["setup", "seed", "mismatch", "accuracy", "base_accuracy", "acc_diff", "ci_low", "ci_high", "verdict"]
+        cols = ["setup", "seed", "mismatch", "accuracy", "base_accuracy", "acc_diff", "ci_low", "ci_high", "verdict",
+                "wall_s"]
         with open(out_dir / "runs.csv", "w", newline="") as f:
             w = csv.DictWriter(f, cols)
             w.writeheader()
             w.writerows({k: r[k] for k in cols} for r in result["runs"])
         return
     cols = ["setup", "seed", "baseline", "paired_with_base_seed", "mismatch", "divergence", "accuracy", "rise",
-            "diff_mean", "ci_low", "ci_high", "verdict"]
+            "diff_mean", "ci_low", "ci_high", "verdict", "wall_s", *RUN_METRICS]
     with open(out_dir / "runs.csv", "w", newline="") as f:
         w = csv.DictWriter(f, cols)
         w.writeheader()
         w.writerows({k: r[k] for k in cols} for r in result["runs"])
     with open(out_dir / "setups.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["setup", "seeds", "mismatch", "per_run_verdicts", "seed_aware_rise", "seed_aware_ci_low",
-                    "seed_aware_ci_high", "seed_aware_verdict", "disagree"])
+        w.writerow(["setup", "group", "seeds", "mismatch", "per_run_verdicts", "seed_aware_rise", "seed_aware_ci_low",
+                    "seed_aware_ci_high", "seed_aware_verdict", "disagree", "wall_s", *RUN_METRICS,
+                    "vs_ungrouped", "vs_ungrouped_rise", "vs_ungrouped_ci_low", "vs_ungrouped_ci_high"])
+        fmt = lambda v: "" if v is None else f"{v:.4g}"  # noqa: E731
         for s in result["setups"]:
-            sa = s["seed_aware"]
-            w.writerow([s["setup"], " ".join(map(str, s["seeds"])), f"{s['mismatch']:.6g}",
+            sa, vs = s["seed_aware"], s.get("vs_ungrouped") or {}
+            w.writerow([s["setup"], s.get("group") or "", " ".join(map(str, s["seeds"])), f"{s['mismatch']:.6g}",
                         " ".join(s["per_run_verdicts"]), f"{sa['rise']:.4f}", f"{sa['rise_ci_low']:.4f}",
-                        f"{sa['rise_ci_high']:.4f}", sa["verdict"], int(s["disagree"])])
+                        f"{sa['rise_ci_high']:.4f}", sa["verdict"], int(s["disagree"]), fmt(s.get("wall_s")),
+                        *(fmt(s.get(k)) for k in RUN_METRICS), vs.get("setup", ""), fmt(vs.get("rise")),
+                        fmt(vs.get("rise_ci_low")), fmt(vs.get("rise_ci_high"))])
+
+
+def _wall(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}s"
+
+
+def _bracket_line(name: str, br: dict[str, Any] | None) -> str | None:
+    if br and "error" not in br:
+        high = "none" if br["bracket_high"] is None else f"{br['bracket_high']:.3g}"
+        return (f"{name}: ({br['bracket_low']:.3g}, {high}] nats/token"
+                + (f"; non-monotone: {', '.join(r['label'] for r in br['non_monotone'])}" if br["non_monotone"] else ""))
+    return f"{name}: {br['error']}" if br else None
+
+
+def _footer(result: dict[str, Any]) -> list[str]:
+    lines = []
+    c = result.get("compute")
+    if c:
+        lines.append(f"compute: {c['runs']} finished runs, {c['timed_runs']} timed: {c['wall_s_total'] / 60:.1f} min of "
+                     f"training wall time" + (f" (median {c['wall_s_median']:.0f} s, max {c['wall_s_max']:.0f} s per run)"
+                                              if c["timed_runs"] else ""))
+    if result.get("missing"):
+        lines.append(f"not finished yet ({len(result['missing'])}): {', '.join(result['missing'])} "
+                     f"(rerun `jopd sweep` on the same file to train them)")
+    return lines
 
 
 def table(result: dict[str, Any]) -> str:
     b = result["baseline"]
     if result["rule"] == "broke":
         lines = [f"{result['method']}: baseline {b['setup']} held-out accuracy per seed "
-                 + " · ".join(f"{a:.1%}" for a in b["accuracy_per_seed"]),
-                 f"{'setup':16s} {'mismatch':>9s}  accuracy change per seed (verdict)"]
+                 + " · ".join(f"{a:.1%}" for a in b["accuracy_per_seed"])]
+        for seed, curve in zip(b["seeds"], b.get("accuracy_curve_per_seed", [])):
+            if len(curve) > 1:
+                lines.append(f"  seed {seed} along the run: " + ", ".join(f"{a:.1%} @{s}" for s, a in curve)
+                             + f" (gain {curve[-1][1] - curve[0][1]:+.1%}, best {max(a for _, a in curve) - curve[0][1]:+.1%})")
+        lines.append(f"{'setup':16s} {'mismatch':>9s}  accuracy change per seed (verdict)")
         for s in sorted(result["setups"], key=lambda s: s["mismatch"]):
             rows = [r for r in result["runs"] if r["setup"] == s["setup"]]
             per = "  ".join(f"{r['acc_diff']:+.1%} [{r['ci_low']:+.1%}, {r['ci_high']:+.1%}] {r['verdict']}"
                             for r in rows)
             lines.append(f"{s['setup']:16s} {s['mismatch']:9.3g}  {per}")
-        return "\n".join(lines)
+        return "\n".join(lines + _footer(result))
     lines = [f"baseline {b['setup']}: held-out divergence per seed "
              + " · ".join(f"{m:.3f}" for m in b["divergence_per_seed"])
-             + f" (range {b['rel_range']:.1%} of their mean)",
-             f"{'setup':16s} {'mismatch':>9s} {'rise per seed (per-run verdict)':>40s} {'seed-aware rise [95% CI]':>30s}"]
-    for s in sorted(result["setups"], key=lambda s: s["mismatch"]):
-        rows = [r for r in result["runs"] if r["setup"] == s["setup"]]
-        per = " ".join(f"{r['rise']:+.0%}{'F' if r['verdict'] == 'FAIL' else ''}" for r in rows)
-        sa = s["seed_aware"]
-        lines.append(f"{s['setup']:16s} {s['mismatch']:9.3g} {per:>40s} {sa['rise']:+8.1%} "
-                     f"[{sa['rise_ci_low']:+.1%}, {sa['rise_ci_high']:+.1%}] {sa['verdict']}"
-                     + ("  <- rules disagree" if s["disagree"] else ""))
-    for key in ("bracket_per_run", "bracket_seed_aware"):
-        br = result[key]
-        if br and "error" not in br:
-            high = "none" if br["bracket_high"] is None else f"{br['bracket_high']:.3g}"
-            lines.append(f"{key.replace('_', ' ')}: ({br['bracket_low']:.3g}, {high}] nats/token"
-                         + (f"; non-monotone: {', '.join(r['label'] for r in br['non_monotone'])}"
-                            if br["non_monotone"] else ""))
-        elif br:
-            lines.append(f"{key.replace('_', ' ')}: {br['error']}")
-    return "\n".join(lines)
+             + f" (range {b['rel_range']:.1%} of their mean); wall per seed "
+             + " · ".join(_wall(w) for w in b.get("wall_s_per_seed", []))]
+    groups = [None] + list(result.get("groups", {}))
+    for g in groups:
+        mine = [s for s in result["setups"] if s.get("group") == g]
+        if not mine:
+            continue
+        if g is not None:
+            lines.append(f"-- group {g}")
+        lines.append(f"{'setup':18s} {'mismatch':>9s} {'rise per seed (per-run verdict)':>32s} "
+                     f"{'seed-aware rise [95% CI]':>30s} {'wall':>6s}" + ("  IS: truncated dropped ess; vs the same "
+                                                                           "engine uncorrected" if g else ""))
+        for s in sorted(mine, key=lambda s: s["mismatch"]):
+            rows = [r for r in result["runs"] if r["setup"] == s["setup"]]
+            per = " ".join(f"{r['rise']:+.0%}{'F' if r['verdict'] == 'FAIL' else ''}" for r in rows)
+            sa = s["seed_aware"]
+            line = (f"{s['setup']:18s} {s['mismatch']:9.3g} {per:>32s} {sa['rise']:+8.1%} "
+                    f"[{sa['rise_ci_low']:+.1%}, {sa['rise_ci_high']:+.1%}] {sa['verdict']} {_wall(s.get('wall_s')):>6s}")
+            if g is not None:
+                fr = lambda k: "-" if s.get(k) is None else f"{s[k]:.3f}"  # noqa: E731
+                line += f"  {fr('is_frac_truncated')} {fr('is_frac_dropped')} {fr('is_ess')}"
+                vs = s.get("vs_ungrouped")
+                if vs:
+                    line += f"; vs {vs['setup']} {vs['rise']:+.1%} [{vs['rise_ci_low']:+.1%}, {vs['rise_ci_high']:+.1%}]"
+            lines.append(line + ("  <- rules disagree" if s["disagree"] else ""))
+        brackets = result if g is None else result["groups"][g]
+        for key in ("bracket_per_run", "bracket_seed_aware"):
+            line = _bracket_line(key.replace("_", " ") + ("" if g is None else f" ({g})"), brackets[key])
+            if line:
+                lines.append(line)
+    return "\n".join(lines + _footer(result))
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -211,12 +363,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if br and "error" not in br and br["bracket_high"] is not None:
             ax.axvspan(br["bracket_low"], br["bracket_high"], color="C1", alpha=0.15, label=label)
             break
-    runs = [r for r in result["runs"] if not r["baseline"]]
+    main = {s["setup"] for s in result["setups"] if s.get("group") is None}  # groups: plot_groups
+    runs = [r for r in result["runs"] if not r["baseline"] and r["setup"] in main]
     for verdict, marker, color in (("PASS", "o", "C0"), ("FAIL", "x", "C3")):
         pts = [(r["mismatch"], r["rise"] * 100) for r in runs if r["verdict"] == verdict]
         if pts:
             ax.scatter(*zip(*pts), marker=marker, color=color, label=f"run: {verdict}", zorder=3)
     for s in result["setups"]:
+        if s["setup"] not in main:
+            continue
         sa = s["seed_aware"]
         y, lo, hi = sa["rise"] * 100, sa["rise_ci_low"] * 100, sa["rise_ci_high"] * 100
         ax.errorbar(s["mismatch"], y, yerr=[[y - lo], [hi - y]], color="k", alpha=0.5, capsize=3, lw=1)
@@ -225,6 +380,53 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("mismatch: mean exact KL(sampler ‖ trainer) over training (nats/token)")
     ax.set_ylabel("rise in held-out teacher divergence vs baseline (%)")
     ax.set_title("quality rule vs rollout mismatch (bars: seed-aware rise, 95% CI)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_groups(result: dict[str, Any], path: Path, main_label: str = "none") -> None:
+    """The ungrouped setups (`main_label`) and each group on one plot: seed-aware rise vs mismatch (log x) per
+    setup with its CI, one colour per group, each group's seed-aware bracket as a band at the bottom."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [None] + list(result.get("groups", {}))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    b = result["baseline"]
+    ax.axhspan(min(b["seed_rises"]) * 100, max(b["seed_rises"]) * 100, color="0.9",
+               label=f"baseline seeds' spread ({len(b['seed_rises'])} seeds)")
+    ax.axhline(result["threshold"] * 100, color="C3", ls="--", lw=1, label=f"threshold +{result['threshold']:.0%}")
+    ax.axhline(0, color="0.5", lw=0.8)
+    ys = [s["seed_aware"]["rise_ci_high"] * 100 for s in result["setups"]] + [result["threshold"] * 100]
+    band_h = max(ys) * 0.04
+    for k, g in enumerate(names):
+        mine = sorted((s for s in result["setups"] if s.get("group") == g), key=lambda s: s["mismatch"])
+        if not mine:
+            continue
+        color, label = f"C{k}", main_label if g is None else g
+        x = [s["mismatch"] for s in mine]
+        y = [s["seed_aware"]["rise"] * 100 for s in mine]
+        lo = [s["seed_aware"]["rise_ci_low"] * 100 for s in mine]
+        hi = [s["seed_aware"]["rise_ci_high"] * 100 for s in mine]
+        ax.errorbar(x, y, yerr=[[a - c for a, c in zip(y, lo)], [c - a for a, c in zip(y, hi)]], color=color,
+                    marker="o", ms=4, capsize=3, lw=1, label=label)
+        for s in mine:
+            runs = [r for r in result["runs"] if r["setup"] == s["setup"] and not r["baseline"]]
+            ax.scatter([r["mismatch"] for r in runs], [r["rise"] * 100 for r in runs], color=color, s=10, alpha=0.5,
+                       marker="x")
+        br = result["bracket_seed_aware"] if g is None else result["groups"][g]["bracket_seed_aware"]
+        if br and "error" not in br and br["bracket_high"] is not None:
+            y0 = -band_h * (2 + 1.5 * k)
+            ax.fill_between([br["bracket_low"], br["bracket_high"]], y0, y0 + band_h, color=color, alpha=0.5, lw=0)
+            ax.annotate(f"{label}: ({br['bracket_low']:.2g}, {br['bracket_high']:.2g}]", (br["bracket_high"], y0),
+                        fontsize=7, xytext=(3, 0), textcoords="offset points", color=color)
+    ax.set_xscale("log")
+    ax.set_xlabel("mismatch: mean exact KL(sampler ‖ trainer) over training (nats/token)")
+    ax.set_ylabel("seed-aware rise in held-out teacher divergence (%)")
+    ax.set_title("bracket per group (bands: seed-aware bracket; x: single runs; bars: 95% CI)", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

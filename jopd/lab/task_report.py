@@ -14,6 +14,7 @@ import numpy as np
 from jopd.lab import quality
 from jopd.lab.runs import read_eval
 from jopd.lab.sweep import run_dir
+from jopd.lab.sweep_report import finished_seeds
 from jopd.lab.sweep_config import SweepConfig
 
 
@@ -33,16 +34,18 @@ def _per_task(sweep: SweepConfig, setup: str, seeds) -> dict[str, list[tuple[np.
 
 def analyze_tasks(sweep: SweepConfig) -> dict[str, Any] | None:
     """Per (setup, task): divergence and accuracy per seed, and the seed-aware rise of the divergence against the
-    baseline's on that task (None: the runs have one task)."""
+    baseline's on that task (None: the runs have one task). A sweep in progress: finished runs only (a setup
+    with none is left out)."""
     q = sweep.quality
-    base = _per_task(sweep, sweep.baseline.name, sweep.baseline.seeds)
+    base = _per_task(sweep, sweep.baseline.name, finished_seeds(sweep, sweep.baseline))
     if not base:
         return None
     rows = []
     for setup in [sweep.baseline, *sweep.setups]:
-        mine = base if setup is sweep.baseline else _per_task(sweep, setup.name, setup.seeds)
+        done = finished_seeds(sweep, setup)
+        mine = base if setup is sweep.baseline else _per_task(sweep, setup.name, done)
         for task, seeds in mine.items():
-            row = {"setup": setup.name, "task": task, "seeds": list(setup.seeds), "n": len(seeds[0][0]),
+            row = {"setup": setup.name, "task": task, "seeds": done, "n": len(seeds[0][0]),
                    "divergence_per_seed": [float(d.mean()) for d, _ in seeds],
                    "accuracy_per_seed": [float(c.mean()) for _, c in seeds]}
             if setup is not sweep.baseline:

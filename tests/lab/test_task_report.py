@@ -2,6 +2,7 @@
 files constructed so the answer is known."""
 
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -19,11 +20,13 @@ def _write_eval(path, divergence, correct, tasks):
         w.writerow(["index", "teacher_divergence", "correct", "response_len", "response", "task"])
         for i, (d, c, t) in enumerate(zip(divergence, correct, tasks)):
             w.writerow([i, f"{d:.6g}", int(c), 5, "x, y", t])
+    (path.parent.parent / "summary.json").write_text(json.dumps({"after": {}}))  # the run finished
 
 
 def test_each_setup_is_judged_on_each_tasks_problems(tmp_path):
     sweep = build(SweepConfig, {"base": "unused.yaml", "out_dir": str(tmp_path), "baseline": {"name": "base",
-                  "seeds": [0, 1]}, "setups": [{"name": "worse_b", "seeds": [0, 1]}],
+                  "seeds": [0, 1]}, "setups": [{"name": "worse_b", "seeds": [0, 1]},
+                  {"name": "unfinished", "seeds": [0]}],
                   "quality": {"resamples": 500}})
     rng = np.random.default_rng(0)
     tasks = ["a"] * 40 + ["b"] * 60
@@ -35,6 +38,7 @@ def test_each_setup_is_judged_on_each_tasks_problems(tmp_path):
         _write_eval(tmp_path / "base" / f"seed{seed}" / "eval" / "after.csv", base, correct, tasks)
         _write_eval(tmp_path / "worse_b" / f"seed{seed}" / "eval" / "after.csv", worse, correct, tasks)
         div[seed] = (base, worse, correct)
+    (tmp_path / "unfinished" / "seed0" / "eval").mkdir(parents=True)  # a run still training: left out
     result = analyze_tasks(sweep)
     rows = {(r["setup"], r["task"]): r for r in result["rows"]}
     assert set(rows) == {("base", "a"), ("base", "b"), ("worse_b", "a"), ("worse_b", "b")}
@@ -60,4 +64,5 @@ def test_runs_with_one_task_have_no_task_report(tmp_path):
     path = tmp_path / "base" / "seed0" / "eval" / "after.csv"
     path.parent.mkdir(parents=True)
     path.write_text("index,teacher_divergence,correct\n0,1.0,1\n")
+    (path.parent.parent / "summary.json").write_text(json.dumps({"after": {}}))
     assert analyze_tasks(sweep) is None
