@@ -1,13 +1,17 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere; one persistent XLA compilation cache
-per test session, shared by the xdist workers and the subprocesses tests start (a program compiled once —
-the tiny testbed's stages, the CLI's runs — is not compiled again by the next test or process)."""
+"""Test setup: 8 simulated CPU devices and fast-compile XLA flags (tests/helpers/xla_test_flags.py), set before jax
+is imported anywhere; one persistent XLA compilation cache per test session, shared by the xdist workers and the
+subprocesses tests start (a program compiled once — the tiny testbed's stages, the CLI's runs — is not compiled
+again by the next test or process)."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests.helpers.xla_test_flags import with_fast_compile  # imports nothing else
+
+os.environ["XLA_FLAGS"] = with_fast_compile(
+    (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
 
 from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402  (imports jaxlib only, not jax)
 

@@ -1,6 +1,6 @@
 """Run a grid of rollout setups x training seeds as full OPD runs, then the quality rule, the bracket and the screen.
 
-    jopd sweep SWEEP.yaml [--analyze-only] [--no-screen]
+    jopd sweep SWEEP.yaml [--analyze-only] [--no-screen] [--only SETUP_OR_GROUP[,...]]
 
 Each (setup, seed) trains as `jopd train` would, in OUT/<setup>/seed<k>/ (format: jopd/lab/sweep_config.py).
 Resumable: finished runs are skipped and an interrupted one resumes from its checkpoint, so rerunning the same
@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="sweep YAML (see configs/sweeps/)")
     p.add_argument("--analyze-only", action="store_true", help="do not train; analyze the runs that exist")
     p.add_argument("--no-screen", action="store_true", help="skip the screening section")
+    p.add_argument("--only", default=None, metavar="NAME[,NAME]",
+                   help="train only these setups or groups (and the baseline); the analysis tables every finished run")
 
 
 def _screen_ready(sweep, result, log) -> bool:
@@ -50,7 +52,14 @@ def run(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     t0 = time.perf_counter()
     if not args.analyze_only:
-        records = run_sweep(sweep, log=log)
+        from jopd.lab.sweep import only_setups
+
+        try:
+            only = only_setups(sweep, args.only.split(",")) if args.only else None
+        except ValueError as e:
+            print(f"jopd sweep: {e}", file=sys.stderr)
+            return 2
+        records = run_sweep(sweep, log=log, only=only)
         out.mkdir(parents=True, exist_ok=True)
         (out / "runs_log.jsonl").open("a").write("".join(json.dumps(r) + "\n" for r in records))
         if any(r["status"] == "interrupted" for r in records):

@@ -105,22 +105,31 @@ def locked_out_dir(sweep: SweepConfig) -> Iterator[Path]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_sweep(sweep: SweepConfig, log=print) -> list[dict]:
-    """Train every planned run that is not finished yet. Returns one record per run: setup, seed, dir, status
-    ("done" = finished before, "trained" = finished now, "interrupted" = preempted, resumable) and the wall
-    seconds spent now. Refuses (BlockingIOError, one line from the CLI) while another sweep trains into the same
-    out_dir."""
+def only_setups(sweep: SweepConfig, names: list[str]) -> set[str]:
+    """The setups `names` picks (setup or group names; the baseline always), or ValueError naming an unknown one."""
+    known = {s.name for s in sweep.setups} | {s.group for s in sweep.setups if s.group}
+    unknown = [n for n in names if n not in known and n != sweep.baseline.name]
+    if unknown:
+        raise ValueError(f"--only: unknown setup or group {unknown} (setups: {', '.join(s.name for s in sweep.setups)})")
+    return {sweep.baseline.name} | {s.name for s in sweep.setups if s.name in names or s.group in names}
+
+
+def run_sweep(sweep: SweepConfig, log=print, only: set[str] | None = None) -> list[dict]:
+    """Train every planned run that is not finished yet (of the setups in `only`, when given: e.g. one study of a
+    larger sweep first). Returns one record per run: setup, seed, dir, status ("done" = finished before,
+    "trained" = finished now, "interrupted" = preempted, resumable) and the wall seconds spent now. Refuses
+    (BlockingIOError, one line from the CLI) while another sweep trains into the same out_dir."""
     check_configs(sweep)
     with locked_out_dir(sweep):
-        return _train_planned(sweep, log)
+        return _train_planned(sweep, log, only)
 
 
-def _train_planned(sweep: SweepConfig, log) -> list[dict]:
+def _train_planned(sweep: SweepConfig, log, only: set[str] | None = None) -> list[dict]:
     from jopd.lab.probe import training_probe
     from jopd.opd.loop import train
 
     records = []
-    runs = planned_runs(sweep)
+    runs = [r for r in planned_runs(sweep) if only is None or r[1].name in only]
     for i, (method, setup, seed) in enumerate(tqdm(runs, desc="sweep", dynamic_ncols=True)):
         out = run_dir(sweep, setup.name, seed, method)
         rec = {"method": method, "setup": setup.name, "seed": seed, "dir": str(out)}

@@ -16,7 +16,9 @@ def log(msg: str) -> None:
     print(f"[{time.time() - _T0:6.1f}s] {msg}", flush=True)
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    from tests.helpers.xla_test_flags import with_fast_compile
+
+    os.environ["XLA_FLAGS"] = with_fast_compile("--xla_force_host_platform_device_count=4")
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -3,6 +3,7 @@ comparison with their ungrouped twin, a sweep in progress is tabled on its finis
 time and IS metrics reach the tables."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,3 +113,26 @@ def test_mean_metric_and_wall_seconds(tmp_path):
     (tmp_path / runslib.WALL_FILE).write_text('{"wall": 1}\n')
     with pytest.raises(ValueError, match=r"sweep_wall.jsonl:1"):
         runslib.wall_seconds(tmp_path)
+
+
+def test_only_trains_the_named_setups_or_groups_and_the_baseline(sweep, monkeypatch, capsys):
+    """`jopd sweep --only tis`: the baseline and the tis group train, nothing else; an unknown name is one line."""
+    from jopd.lab import sweep as sweeplib
+    from jopd.opd import loop
+
+    trained = []
+
+    def fake_train(cfg, log=None, probe_hook=None):
+        trained.append(cfg)
+        fake_run(Path(cfg), 1.0, 0.1)
+        return {"after": {}}
+
+    monkeypatch.setattr(sweeplib, "check_configs", lambda s: None)
+    monkeypatch.setattr(sweeplib, "run_config", lambda s, setup, seed, method=None: str(run_dir(s, setup.name, seed)))
+    monkeypatch.setattr(sweeplib, "_share_before_eval", lambda *a: None)
+    monkeypatch.setattr(loop, "train", fake_train)
+    assert cli.main(["sweep", str(sweep), "--only", "tis", "--no-screen"]) == 0
+    cfg = load_sweep(str(sweep))
+    assert sorted(trained) == sorted(str(run_dir(cfg, n, k)) for n in ("fp32", "n2_tis", "n3_tis") for k in (0, 1))
+    assert cli.main(["sweep", str(sweep), "--only", "n9"]) == 2
+    assert "--only: unknown setup or group ['n9']" in capsys.readouterr().err

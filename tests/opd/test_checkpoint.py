@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jopd.opd.checkpoint import CheckpointConfig, Checkpointer, PreemptionGuard
+from tests.helpers.xla_test_flags import FAST_COMPILE
 from jopd.config_dataclass import ConfigError, build
 from jopd.data import DataConfig, build_toy_tokenizer, train_iterator
 
@@ -152,7 +153,7 @@ def _load_loop():
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_preemption_signal_saves_exits_zero_and_resumes(tmp_path, sig):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE}
     script = str(REPO / "tests" / "helpers" / "preemption_loop.py")
     ckpt_dir = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, script, str(ckpt_dir), "100000", str(tmp_path / "a.npy")],
@@ -196,7 +197,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_multiprocess_sigterm_on_one_host_stops_every_host_at_the_same_step():
     """jax.distributed with 2 CPU processes: SIGTERM to process 1 only -> both leave the loop at one step."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE}
     script, port = str(REPO / "tests" / "helpers" / "preemption_multiprocess.py"), str(_free_port())
     procs = [subprocess.Popen([sys.executable, script, str(i), port], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, env=env) for i in range(2)]

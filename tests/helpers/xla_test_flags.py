@@ -1,0 +1,15 @@
+"""XLA:CPU flags the test suite compiles with (set by tests/conftest.py; the suite's subprocesses that set their own
+XLA_FLAGS add them too, so a subprocess and its parent test compute with the same code).
+
+The suite compiles many small programs once each, and on 2 cores LLVM's optimization passes cost more than
+running them. Tests check what XLA computes (its HLO, fusions and float semantics: LLVM without fast-math does
+not reorder float arithmetic), so the checks hold at any LLVM optimization level; runs outside the tests keep
+XLA's defaults."""
+
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def with_fast_compile(xla_flags: str) -> str:
+    """`xla_flags` plus the fast-compile flags it does not set itself."""
+    extra = [f for f in FAST_COMPILE.split() if f.split("=")[0] + "=" not in xla_flags]
+    return " ".join([xla_flags.strip(), *extra]).strip()
