@@ -30,3 +30,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules that hold a slow test run first, each module's tests kept together (module fixtures built once):
+    under pytest-xdist the suite then ends on short tests, instead of one worker finishing a long one alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items[:] = sorted(items, key=lambda item: item.path not in slow)  # stable: the order within stays

@@ -43,6 +43,7 @@ def test_task_options_are_validated_with_the_config():
         load_config(None, ["data.task=nope"])
 
 
+@pytest.mark.slow
 def test_task_from_a_plugin_file_trains_end_to_end(tmp_path):
     registry.load_plugins([str(EXAMPLE)])
     path = write_tiny(tmp_path / "tiny.yaml", plugins=[str(EXAMPLE)],

@@ -82,6 +82,7 @@ def test_sweep_file_errors_name_the_field(tmp_path, sweep_file):
     assert cli.main(["sweep", str(tmp_path / "missing.yaml")]) == 2
 
 
+@pytest.mark.slow
 def test_contrast_sweep_judges_each_method_by_its_own_rule(tmp_path, capsys):
     base = write_tiny(tmp_path / "tiny.yaml")
     spec = {"base": str(base), "out_dir": str(tmp_path / "contrast"), "overrides": [f"train.cache_dir={tiny_cache()}"],

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jopd.models import io
 from jopd.opd.loop import train
@@ -16,6 +17,7 @@ from tests.helpers.tiny_testbed import TINY, tiny_cache, write_tiny
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "my_family.py"
 
 
+@pytest.mark.slow
 def test_family_from_a_plugin_file_trains_end_to_end(tmp_path):
     student = TINY["student"] | {"arch": TINY["student"]["arch"] | {"family": "llama_qk_norm"}}
     path = write_tiny(tmp_path / "tiny.yaml", plugins=[str(EXAMPLE)], student=student, train={"steps": 6},

@@ -65,6 +65,7 @@ def hf_greedy(hf_model, prompt_ids):
     return out[0, len(prompt_ids):].numpy()
 
 
+@pytest.mark.slow
 def test_config_from_gguf_metadata(jopd_model, hf_model):
     cfg, _ = jopd_model
     hc = hf_model.config
@@ -91,6 +92,7 @@ def test_greedy_continuation_matches_transformers(jopd_model, hf_greedy, prompt_
     np.testing.assert_array_equal(ours, ref)
 
 
+@pytest.mark.slow
 def test_bf16_compute_close_to_fp32(jopd_model, prompt_ids, fp32_logits):
     cfg, params = jopd_model
     bf16, _ = T.forward(params, jnp.asarray([prompt_ids]), cfg=cfg, dtype=jnp.bfloat16)

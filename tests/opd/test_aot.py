@@ -310,6 +310,7 @@ def costed():
     return cfg, aot.compile_opd_step(cfg, progress=False, cost=True, chip="v5e")
 
 
+@pytest.mark.slow
 def test_cost_programs_count_every_layer_chunk_and_token(costed):
     cfg, report = costed
     looped = {s.name: s.cost for s in report.stages}
@@ -340,6 +341,7 @@ def test_cost_programs_count_every_layer_chunk_and_token(costed):
     assert not any("while loop" in n for n in report.roofline.notes)  # every loop accounted for
 
 
+@pytest.mark.slow
 def test_cost_programs_equal_a_loop_free_real_step():
     """One layer and one loss chunk: the real scoring and update hold no loop, so XLA's cost of them is exact. With
     two chunks, the cost programs (one chunk counted in the program, the other from the one-layer pair) cost the
@@ -355,6 +357,7 @@ def test_cost_programs_equal_a_loop_free_real_step():
         assert stage.total("bytes") == pytest.approx(loop_free.cost.bytes, rel=0.1)
 
 
+@pytest.mark.slow
 def test_model_flops_and_json(costed):
     cfg, report = costed
     r = report.roofline
@@ -371,6 +374,7 @@ def test_model_flops_and_json(costed):
     assert d["rollout_tokens_per_s_per_chip"] == pytest.approx(B * N / (r.stage_seconds("sample") * 8))
 
 
+@pytest.mark.slow
 def test_cli_prints_the_roofline_for_a_topology(tmp_path, capsys):
     pytest.importorskip("libtpu")
     cfg = tmp_path / "run.yaml"

@@ -181,6 +181,7 @@ def test_a_pair_that_cannot_align_is_refused_before_any_compute(tmp_path):
     assert not out.exists()  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sampled", "dense"])
 def test_cross_tokenizer_runs_end_to_end_and_counts_what_it_cannot_align(tmp_path, mode):
     # a briefly fine-tuned teacher (its quality is not under test: every step's 49152-way head costs)

@@ -51,6 +51,7 @@ def straight(tmp_path_factory):
     return tmp, train(_cfg(tmp, "straight"), log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_opd_lowers_heldout_teacher_divergence(straight):
     _, summary = straight
     before, after = summary["before"]["teacher_divergence"], summary["after"]["teacher_divergence"]

@@ -42,6 +42,7 @@ def multi_run(tmp_path_factory):
     return tmp, cfg, summary
 
 
+@pytest.mark.slow
 def test_a_two_teacher_run_logs_evaluates_and_probes_per_task(multi_run):
     tmp, cfg, summary = multi_run
     out = tmp / "run"

@@ -53,6 +53,7 @@ def _rel(a, b):
     return float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)) / optax.tree.norm(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("support", ["teacher_topk", "union"])
 def test_sharded_step_equals_single_device(support):
     loss = dataclasses.replace(LOSS, support=support)

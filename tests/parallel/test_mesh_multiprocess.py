@@ -54,6 +54,7 @@ def _fmt(outputs: list[str]) -> str:
     return "\n".join(f"--- process {i} (last 3000 chars) ---\n{o[-3000:]}" for i, o in enumerate(outputs))
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     outputs = _run_two_processes(tmp_path)
     print(_fmt(outputs))  # timings, shown with -s or on failure

@@ -99,6 +99,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("rl_cache")
 
 
+@pytest.mark.slow
 def test_tiny_grpo_run_raises_the_training_reward(cache):
     """16 prompts x 8 samples, 2 inner updates per batch, 100 steps: the mean training reward of the second half
     beats the first 10 steps' by a margin well above the step-to-step noise (the student starts near 15%). The
@@ -138,6 +139,7 @@ def _training_rows(run_dir):
     return {r["step"]: r for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_running_mean_baseline_resumes_bit_identically(cache, tmp_path):
     straight = train(_reinforce_cfg(cache, tmp_path / "straight", 4), log=lambda *_: None)
     train(_reinforce_cfg(cache, tmp_path / "resumed", 2), log=lambda *_: None)
