@@ -3,7 +3,8 @@ teacher and student first, as `jopd train` would).
 
     python benchmarks/teacher_accuracy.py configs/testbed_long.yaml [key=value ...] [--problems N]
 
-Prints one JSON line per mode: accuracy, mean response length, and the first responses.
+Prints one JSON line per teacher and mode: accuracy (per task with `data.mix`), mean response length, and the
+first responses.
 """
 
 import argparse
@@ -28,15 +29,18 @@ def main() -> None:
     t0 = time.perf_counter()
     run, _ = build(cfg)
     print(json.dumps({"build_s": round(time.perf_counter() - t0, 1)}), flush=True)
-    teacher = jax.device_get(run.teacher_params)
-    for greedy in (False, True):
-        t1 = time.perf_counter()
-        s = dataclasses.replace(cfg.sampling, max_new_tokens=cfg.train.eval_max_new_tokens, greedy=greedy)
-        res = evaluate_heldout(teacher, teacher, s_cfg=run.step.teacher_cfg, t_cfg=run.step.teacher_cfg,
-                               tokenizer=run.tokenizer, data_cfg=cfg.data, sampling=s, seed=cfg.train.eval_seed,
-                               max_problems=args.problems or cfg.train.eval_problems)
-        print(json.dumps({"mode": "greedy" if greedy else "sampled", **res.summary(),
-                          "examples": res.responses[:3], "eval_s": round(time.perf_counter() - t1, 1)}), flush=True)
+    params = jax.device_get(run.teacher_params)
+    names = [t.name for t in cfg.teachers] or ["teacher"]  # several teachers: each on every task's problems
+    for name, teacher, t_cfg in zip(names, params if cfg.teachers else (params,), run.step.teacher_cfgs):
+        for greedy in (False, True):
+            t1 = time.perf_counter()
+            s = dataclasses.replace(cfg.sampling, max_new_tokens=cfg.train.eval_max_new_tokens, greedy=greedy)
+            res = evaluate_heldout(teacher, teacher, s_cfg=t_cfg, t_cfg=t_cfg, tokenizer=run.tokenizer,
+                                   data_cfg=cfg.data, sampling=s, seed=cfg.train.eval_seed,
+                                   max_problems=args.problems or cfg.train.eval_problems)
+            print(json.dumps({"teacher": name, "mode": "greedy" if greedy else "sampled", **res.summary(),
+                              "examples": res.responses[:3], "eval_s": round(time.perf_counter() - t1, 1)}),
+                  flush=True)
 
 
 if __name__ == "__main__":
