@@ -224,37 +224,33 @@ def read_eval_summary(run_dir: str | Path, name: str = "after") -> dict[str, Any
 def step_rows(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     """The training rows of `RUN_DIR/metrics.jsonl` by step (eval rows, whose keys are all `eval/...`, left out);
     the last line of a step wins, so a resumed run's repeated steps count once. Missing file: {}."""
+    rows: dict[int, dict[str, Any]] = {}
+    for row in _metric_lines(run_dir):
+        if isinstance(row, dict) and "step" in row and any(k != "step" and not k.startswith("eval/") for k in row):
+            rows[int(row["step"])] = row
+    return rows
+
+
+def _metric_lines(run_dir: str | Path):
+    """The parsed lines of `RUN_DIR/metrics.jsonl` (none if it is missing; a bad line is a ValueError naming it)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        return {}
-    rows: dict[int, dict[str, Any]] = {}
+        return
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if isinstance(row, dict) and "step" in row and any(k != "step" and not k.startswith("eval/") for k in row):
-            rows[int(row["step"])] = row
-    return rows
 
 
 def prefixed_rows(run_dir: str | Path, prefix: str) -> dict[int, dict[str, float]]:
     """The rows of `RUN_DIR/metrics.jsonl` holding `prefix`ed keys (e.g. "probe/" from `train.probe_every`,
     "eval/" from the held-out evals), by step, with the prefix stripped; a step logged twice (a resume) keeps
     its last row. Missing file: {}."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return {}
     out: dict[int, dict[str, float]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    for row in _metric_lines(run_dir):
         mine = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)} if isinstance(row, dict) else {}
         if mine and "step" in row:
             out[int(row["step"])] = mine
