@@ -93,7 +93,6 @@ def test_greedy_continuation_matches_transformers(jopd_model, hf_greedy, prompt_
     np.testing.assert_array_equal(ours, ref)
 
 
-@pytest.mark.slow
 def test_bf16_compute_close_to_fp32(jopd_model, prompt_ids, fp32_logits):
     cfg, params = jopd_model
     # jitted, as the sampler and trainer run it (eager bf16 ops dispatch one by one: ~25x the CPU time here)
