@@ -376,10 +376,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
         y, lo, hi = sa["rise"] * 100, sa["rise_ci_low"] * 100, sa["rise_ci_high"] * 100
         ax.errorbar(s["mismatch"], y, yerr=[[y - lo], [hi - y]], color="k", alpha=0.5, capsize=3, lw=1)
         ax.annotate(s["setup"], (s["mismatch"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    _save_vs_mismatch(fig, ax, "rise in held-out teacher divergence vs baseline (%)",
+                      "quality rule vs rollout mismatch (bars: seed-aware rise, 95% CI)", path)
+
+
+def _save_vs_mismatch(fig, ax, ylabel: str, title: str, path: Path) -> None:
+    """Finish a plot against the in-training mismatch (log x) and write it."""
+    import matplotlib.pyplot as plt
+
     ax.set_xscale("log")
     ax.set_xlabel("mismatch: mean exact KL(sampler ‖ trainer) over training (nats/token)")
-    ax.set_ylabel("rise in held-out teacher divergence vs baseline (%)")
-    ax.set_title("quality rule vs rollout mismatch (bars: seed-aware rise, 95% CI)", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -423,14 +431,8 @@ def plot_groups(result: dict[str, Any], path: Path, main_label: str = "none") ->
             ax.fill_between([br["bracket_low"], br["bracket_high"]], y0, y0 + band_h, color=color, alpha=0.5, lw=0)
             ax.annotate(f"{label}: ({br['bracket_low']:.2g}, {br['bracket_high']:.2g}]", (br["bracket_high"], y0),
                         fontsize=7, xytext=(3, 0), textcoords="offset points", color=color)
-    ax.set_xscale("log")
-    ax.set_xlabel("mismatch: mean exact KL(sampler ‖ trainer) over training (nats/token)")
-    ax.set_ylabel("seed-aware rise in held-out teacher divergence (%)")
-    ax.set_title("bracket per group (bands: seed-aware bracket; x: single runs; bars: 95% CI)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_vs_mismatch(fig, ax, "seed-aware rise in held-out teacher divergence (%)",
+                      "bracket per group (bands: seed-aware bracket; x: single runs; bars: 95% CI)", path)
 
 
 def contrast(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
