@@ -20,7 +20,7 @@ from jopd.losses.kinds import OBJECTIVES, Objective, divergence_reduce
 from jopd.losses.masks import masked_mean
 from jopd.losses.policy_gradient import (clipped_ratio_surrogate, opd_advantages, policy_gradient_surrogate,
                                          reference_kl_k3, softmax_entropy)
-from jopd.models.transformer import logits_from_hidden
+from jopd.parallel.vocab_projection import vocab_sharded_logits
 
 _TOPK = ("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK")
 
@@ -45,7 +45,8 @@ def _full(divergence):
     in this chunk only (scaled by the same temperature)."""
     def per_position(cfg, logits, inp):
         head = jax.lax.stop_gradient(inp["teacher_head"])
-        teacher = logits_from_hidden(head, inp["teacher_hidden_BxTxD"]) / cfg.temperature  # fp32, as scoring did
+        # fp32, as scoring did; on a mesh, each chip projects onto its slice of V (no chip holds the whole head)
+        teacher = vocab_sharded_logits(head, inp["teacher_hidden_BxTxD"]) / cfg.temperature
         return {"divergence": divergence(cfg, logits, teacher)}
     return per_position
 

@@ -37,6 +37,7 @@ from jopd.losses.kinds import OBJECTIVES, Metrics, Objective
 from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.models.config import ModelConfig
+from jopd.parallel.vocab_projection import vocab_sharded_head
 
 __all__ = ["OBJECTIVES", "Objective", "check_batch", "compact_fields", "loss_chunk", "needs_reference", "per_task_means",
            "token_loss", "token_loss_from_logits"]
@@ -246,6 +247,8 @@ def token_loss(
     if rows != (B, T):
         raise ValueError(f"token_loss: the batch's positions {rows} != hidden (B, T)={(B, T)}")
     check_batch(cfg, batch, model_cfg.vocab_size, teacher_head)
+    if teacher_head is not None:  # laid out once, outside the chunk loop: V split over the mesh
+        teacher_head = vocab_sharded_head(teacher_head)
     chunk = loss_chunk(cfg)
     if batch.compact is not None:
         chunk = compact_chunk(chunk, batch.targets_BxT.shape[0], B, T)
