@@ -244,7 +244,8 @@ class AotReport:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         lines = [f"target {self.target}: {self.num_devices} x {self.device_kind} ({hbm}{chips}), mesh {mesh}"]
         for role, m in self.models.items():
-            lines.append(f"{role}: {m['family']} {m['params'] / 1e9:.3f}B params, {m['dtype']}, {m['source']}")
+            placed = f", {m['placement']} ({num(m['bytes_per_device'])} {unit} per device)" if "placement" in m else ""
+            lines.append(f"{role}: {m['family']} {m['params'] / 1e9:.3f}B params, {m['dtype']}, {m['source']}{placed}")
         lines.append("shapes: " + " ".join(f"{k}={v}" for k, v in self.shapes.items()))
         lines.append(f"long-lived buffers per device ({unit}): "
                      + ", ".join(f"{k} {num(v)}" for k, v in self.buffers.items()))
@@ -365,6 +366,10 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      "vocab": m.vocab_size}
               for role, m, src in [("student", s_cfg, cfg.student)]
               + [(t.name if cfg.teachers else "teacher", m, t) for t, m in zip(cfg.teacher_sources(), t_cfgs)]}
+    # each teacher's parameters per device under its `placement` (held all run long: in `teacher_params`)
+    held = inputs.teacher if step.routing is not None else (inputs.teacher,)
+    for name, src, params in zip(list(models)[1:], cfg.teacher_sources(), held):
+        models[name] |= {"placement": src.placement, "bytes_per_device": _bytes(params)}
     shapes = {"batch": cfg.data.batch_size * rollouts_per_prompt(cfg), "prompt_len": cfg.data.max_prompt_len,
               "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
               "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}

@@ -88,6 +88,11 @@ class TeacherSource(ModelSource):
     # run's whole stream.
     tasks: tuple[str, ...] = ()
     weight: float = pydantic.Field(1.0, gt=0)  # its weight under routing=mixture
+    # How its parameters sit on the mesh: `fsdp`, split like the student's (FSDP x tensor: the least memory per
+    # chip, its forward all-gathers each layer's weights); `replicated`, held whole on every device (no
+    # all-gather, its full size on every chip: for a small teacher; its forward then runs on each device's rows
+    # with the whole weights, so a tensor axis computes it redundantly).
+    placement: Literal["fsdp", "replicated"] = "fsdp"
 
 
 @config_dataclass

@@ -7,7 +7,8 @@
     state, metrics = step.update(state, train_batch, teacher_params)   # student forward/backward, Optax
 
 Every device stage is jitted once here with explicit shardings (pjit's modern form): TRAIN rules (fsdp x
-tensor) for the student, its optimizer state and the teacher; SAMPLE rules (tensor only) for the rollout copy
+tensor) for the student, its optimizer state and the teacher (or, by a teacher's `placement: replicated`, its
+parameters whole on every device); SAMPLE rules (tensor only) for the rollout copy
 of the student; the batch over data x fsdp. The shardings are computed once, from `eval_shape` of the initial
 state, and the same ones serve init, restore and the step. `jopd train`'s loop, `jopd aot` (which lowers the
 same jitted stages from abstract inputs), the lab commands and the benchmarks all call this object; none
@@ -77,7 +78,7 @@ def weight_sync_key(rng: jax.Array, step: int | jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
     student: Any  # trainer layout of the student params
-    teacher: Any  # the teacher params (train rules: it is held all run long); a tuple with several teachers
+    teacher: Any  # the teacher params (held all run long; each by its `placement`); a tuple with several teachers
     sampler_params: Any  # rollout layout of the student, layers unstacked (what the weight sync returns)
     state: TrainState  # the train state's, from eval_shape of the initial state
     batch: NamedSharding  # leading dim over data x fsdp; its rank-1 spec fits every batch leaf of rank >= 1
@@ -431,12 +432,21 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tupl
     # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
     meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size * rollouts_per_prompt(cfg),),
                            where="data.batch_size")
-    teacher = tuple(meshlib.param_shardings(c, mesh, train_rules) for c in t_cfg) if isinstance(t_cfg, tuple) else \
-        meshlib.param_shardings(t_cfg, mesh, train_rules)
+    placements = [src.placement for src in cfg.teacher_sources()]
+    teacher = tuple(teacher_shardings(c, mesh, train_rules, p) for c, p in zip(t_cfg, placements)) \
+        if isinstance(t_cfg, tuple) else teacher_shardings(t_cfg, mesh, train_rules, placements[0])
     return StepShardings(
         student=student, teacher=teacher, sampler_params=sampler_params,
         state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
         cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"])
+
+
+def teacher_shardings(t_cfg: ModelConfig, mesh, train_rules: meshlib.AxisRules, placement: str):
+    """A teacher's parameter shardings for its `placement`: `fsdp`, the trainer's rules (FSDP x tensor); `replicated`,
+    every leaf whole on every device (P()), so its forward never all-gathers a weight."""
+    if placement == "replicated":
+        return jax.tree.map(lambda _: NamedSharding(mesh, P()), transformer.abstract_params(t_cfg))
+    return meshlib.param_shardings(t_cfg, mesh, train_rules)
 
 
 def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool
