@@ -459,3 +459,23 @@ def test_each_teacher_is_sized_by_its_placement():
     assert report.buffers["teacher_params"] == whole + fsdp
     assert report.stages[0].error is None and report.stages[0].memory.argument >= whole + fsdp
     assert "b: llama" in report.table() and "replicated (" in report.table()
+
+
+def test_a_teacher_with_another_tokenizer_among_several_holds_the_only_projection_table():
+    """A toy-vocabulary teacher beside one with SmolLM2's tokenizer (routed by task): one projection table (the
+    cross teacher's, as if it were alone), the teachers' rows' span arrays, both teachers' params."""
+    arch = "arch: {num_layers: 1, hidden_size: 16, intermediate_size: 32}"
+    teachers = (f"teachers=[{{name: same, tasks: [arithmetic], {arch}}}, "
+                f"{{name: smol, tasks: [counting], {arch}, tokenizer: '{io.smollm2_gguf_path()}'}}]")
+    cfg = load_config(None, [*TINY[:5], "data.batch_size=16", "data.mix={arithmetic: 1, counting: 1}", teachers,
+                             "loss.cross_tokenizer=dense", "mesh.data=8"])
+    report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
+    assert report.models["smol"]["vocab"] == 49152 and report.models["same"]["vocab"] == 103
+    name, E = report.shapes["xtok_pairs"].split(": ")
+    assert name == "smol" and 0 < int(E) < 4 * 49152
+    assert report.buffers["projection_table"] == 4 * (49152 * 4 + 1 + 2 * 103 + 3 * int(E))
+    assert report.buffers["cross_batch"] == (16 // 8) * _cross_batch_bytes_per_row(16, 8)
+    assert report.buffers["teacher_params"] == report.models["same"]["bytes_per_device"] + \
+        report.models["smol"]["bytes_per_device"]
+    (scoring,) = report.stages
+    assert scoring.error is None and scoring.resident["projection_table"] == report.buffers["projection_table"]
