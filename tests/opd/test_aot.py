@@ -133,7 +133,7 @@ def test_missing_model_path_names_the_field(tmp_path):
 def test_real_configs_validate():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(str(path))
-        for src in (cfg.student, cfg.teacher):
+        for src in (cfg.student, *cfg.teacher_sources()):
             if src.path is not None and src.path.startswith("configs/arch/"):
                 assert (ROOT / src.path / "config.json").is_file(), path
             elif src.path is not None:  # a built-in model name (e.g. smollm2-135m-instruct)
