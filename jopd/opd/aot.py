@@ -122,18 +122,38 @@ def model_config_of(src: ModelSource, role: str, tokenizer=None) -> ModelConfig:
     return io.open_checkpoint(p, src.num_layers)[0]  # validates every tensor's shape (metadata only)
 
 
-def cross_tokenizers(cfg: RunConfig) -> tuple[Any, Any]:
-    """(student, teacher) tokenizers of a run with `loss.cross_tokenizer`, as `jopd train` loads them; None for a
-    side whose model is a directory without tokenizer files (a config-only `configs/arch/<name>/`)."""
+def cross_tokenizers(cfg: RunConfig) -> tuple[Any, tuple[Any, ...]]:
+    """(student tokenizer, each teacher's) of a run with `loss.cross_tokenizer`, as `jopd train` loads them; None
+    for a model given by a directory without tokenizer files (a config-only `configs/arch/<name>/`)."""
+    from jopd.data.toy_tokenizer import build_toy_tokenizer
     from jopd.opd import model_sources
 
-    out = []
-    for get in (model_sources.run_tokenizer, model_sources.teacher_tokenizer):
+    def get(fn, *args):
         try:
-            out.append(get(cfg))
+            return fn(*args)
         except FileNotFoundError:
-            out.append(None)
-    return out[0], out[1]
+            return None
+
+    teachers = tuple(get(lambda s: model_sources._own_tokenizer(s) or build_toy_tokenizer(), src)
+                     for src in cfg.teacher_sources())
+    return get(model_sources.run_tokenizer, cfg), teachers
+
+
+def sizing_crosses(cfg: RunConfig, student_tok, teacher_toks, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...]):
+    """`build_step`'s `cross` for sizing: the one teacher's (`sizing_cross_teacher`), or, with `teachers`, one per
+    teacher, None for a teacher that shares the student's vocabulary (its tokenizer the student's; without
+    tokenizers, the same vocabulary size)."""
+    from jopd.opd.model_sources import shares_vocabulary
+
+    def shares(tok, t_cfg):
+        if student_tok is not None and tok is not None:
+            return shares_vocabulary(student_tok, tok)
+        return t_cfg.vocab_size == s_cfg.vocab_size
+
+    size = lambda tok, t_cfg: sizing_cross_teacher(student_tok, tok, s_cfg, t_cfg, cfg.data.system_prompt)  # noqa: E731
+    if not cfg.teachers:
+        return size(teacher_toks[0], t_cfgs[0])
+    return tuple(None if shares(tok, m) else size(tok, m) for tok, m in zip(teacher_toks, t_cfgs))
 
 
 def sizing_cross_teacher(student_tok, teacher_tok, s_cfg: ModelConfig, t_cfg: ModelConfig,
@@ -244,7 +264,8 @@ class AotReport:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         lines = [f"target {self.target}: {self.num_devices} x {self.device_kind} ({hbm}{chips}), mesh {mesh}"]
         for role, m in self.models.items():
-            lines.append(f"{role}: {m['family']} {m['params'] / 1e9:.3f}B params, {m['dtype']}, {m['source']}")
+            placed = f", {m['placement']} ({num(m['bytes_per_device'])} {unit} per device)" if "placement" in m else ""
+            lines.append(f"{role}: {m['family']} {m['params'] / 1e9:.3f}B params, {m['dtype']}, {m['source']}{placed}")
         lines.append("shapes: " + " ".join(f"{k}={v}" for k, v in self.shapes.items()))
         lines.append(f"long-lived buffers per device ({unit}): "
                      + ", ".join(f"{k} {num(v)}" for k, v in self.buffers.items()))
@@ -325,25 +346,29 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         raise ValueError(f"stages: unknown {unknown} (choose from {', '.join(STAGES)})")
     devices = list(jax.devices() if devices is None else devices)
     chip = _chip(devices, chip) if cost else None  # before any compile: an unknown chip fails fast
-    crossed = cfg.loss.cross_tokenizer != "off"  # one teacher then (RunConfig refuses teachers with it)
-    s_tok, t_tok = cross_tokenizers(cfg) if crossed else (None, None)
-    s_cfg = model_config_of(cfg.student, "student", s_tok)
+    crossed = cfg.loss.cross_tokenizer != "off"
     roles = [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
-    t_cfgs = tuple(model_config_of(src, role, t_tok) for role, src in roles)
+    s_tok, t_toks = cross_tokenizers(cfg) if crossed else (None, (None,) * len(roles))
+    s_cfg = model_config_of(cfg.student, "student", s_tok)
+    t_cfgs = tuple(model_config_of(src, role, tok) for (role, src), tok in zip(roles, t_toks))
     t_cfg = t_cfgs[0]
-    for (role, _), m in zip(roles, t_cfgs):
-        if not crossed and s_cfg.vocab_size != m.vocab_size:
+    cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else None
+    own_tok = cross if isinstance(cross, tuple) else (cross,) * len(roles)  # None: the student's vocabulary
+    for (role, _), m, c in zip(roles, t_cfgs, own_tok):
+        if c is None and s_cfg.vocab_size != m.vocab_size:
             raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={m.vocab_size}, "
-                             f"student vocab_size={s_cfg.vocab_size} (a teacher with another tokenizer: set "
-                             f"loss.cross_tokenizer)")
+                             f"student vocab_size={s_cfg.vocab_size} ("
+                             + (f"its tokenizer is the student's: give it its own, {role}.tokenizer)" if crossed else
+                                "a teacher with another tokenizer: set loss.cross_tokenizer)"))
     context = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
     for role, m in [("student", s_cfg)] + [(r, m) for (r, _), m in zip(roles, t_cfgs)]:
         m.check_context(context, f"data.max_prompt_len + sampling.max_new_tokens = {context}", role)
-    # the teacher scores its own rows: its prompt (max_prompt_len) + response (max_new_tokens + TEACHER_SLACK)
-    if crossed:
-        t_cfg.check_context(context + TEACHER_SLACK, f"data.max_prompt_len + sampling.max_new_tokens + "
-                            f"{TEACHER_SLACK} = {context + TEACHER_SLACK}", "teacher")
-    cross = sizing_cross_teacher(s_tok, t_tok, s_cfg, t_cfg, cfg.data.system_prompt) if crossed else None
+    # a teacher with another tokenizer scores its own rows: its prompt (max_prompt_len) + response
+    # (max_new_tokens + TEACHER_SLACK)
+    for (role, _), m, c in zip(roles, t_cfgs, own_tok):
+        if c is not None:
+            m.check_context(context + TEACHER_SLACK, f"data.max_prompt_len + sampling.max_new_tokens + "
+                            f"{TEACHER_SLACK} = {context + TEACHER_SLACK}", role)
     mesh = meshlib.make_mesh(cfg.mesh, devices)
     step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfg, mesh, cross=cross)
     inputs = step_inputs(step)
@@ -365,13 +390,21 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      "vocab": m.vocab_size}
               for role, m, src in [("student", s_cfg, cfg.student)]
               + [(t.name if cfg.teachers else "teacher", m, t) for t, m in zip(cfg.teacher_sources(), t_cfgs)]}
+    # each teacher's parameters per device under its `placement` (held all run long: in `teacher_params`)
+    held = inputs.teacher if step.routing is not None else (inputs.teacher,)
+    for name, src, params in zip(list(models)[1:], cfg.teacher_sources(), held):
+        models[name] |= {"placement": src.placement, "bytes_per_device": _bytes(params)}
     shapes = {"batch": cfg.data.batch_size * rollouts_per_prompt(cfg), "prompt_len": cfg.data.max_prompt_len,
               "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
               "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
-    if crossed:  # the projection table's sparse entries: from the tokenizers, or estimated without them
+    if crossed:  # the projection tables' sparse entries: from the tokenizers, or estimated without them
         shapes["cross_tokenizer"] = cfg.loss.cross_tokenizer
-        shapes["xtok_pairs"] = (f"{step.cross.table.pair_student_E.shape[0]}"
-                                + ("" if step.cross.pair is not None else " (estimated: no tokenizer)"))
+        pairs = {name: f"{c.table.pair_student_E.shape[0]}" + ("" if c.pair is not None else " (estimated: no "
+                                                                                               "tokenizer)")
+                 for name, c in zip(list(models)[1:], own_tok) if c is not None}
+        if pairs:
+            shapes["xtok_pairs"] = next(iter(pairs.values())) if not cfg.teachers else \
+                ", ".join(f"{k}: {v}" for k, v in pairs.items())
     roofline = None
     if chip is not None:
         from jopd.opd.aot_cost import predict_step  # it builds on this module's stage inputs
@@ -438,7 +471,7 @@ def step_inputs(step: OPDStep) -> StepInputs:
     per_row = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
     task = sds((B,), jnp.int32, sharding=sh.batch) if step.loss_cfg.task_names else None  # several tasks
     cross = None
-    if step.cross is not None:  # the teacher's own token rows and the span arrays (`OPDStep._align`)
+    if step.crosses:  # the teachers' own token rows and the span arrays (`OPDStep._align`)
         cross = cross_batch_shapes(B, Pl, N)
         cross = _abstract(cross, jax.tree.map(lambda _: sh.batch, cross))
     rollout = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, sample=sample, advantages_B=per_row,
@@ -477,12 +510,12 @@ def _stage_programs(step: OPDStep, ins: StepInputs):
                "sampler_params": _bytes(ins.sampler_params), "kv_cache": _bytes(ins.cache),
                "rollout": _bytes(ins.rollout.sample)}
     frozen = ("teacher_params",)  # held all run long
-    if step.cross is not None:
+    if step.crosses:
         # the teacher's rows and span arrays (an argument of the scoring, alive from the rollout on) and the
-        # projection table (a constant of the scoring program: memory_analysis does not count it, it is held
+        # projection tables (constants of the scoring program: memory_analysis does not count them, they are held
         # as long as the program is loaded)
         buffers["cross_batch"] = _bytes(ins.rollout.cross)
-        buffers["projection_table"] = sum(x.nbytes for x in jax.tree.leaves(step.cross.table))
+        buffers["projection_table"] = sum(x.nbytes for c in step.crosses for x in jax.tree.leaves(c.table))
         frozen += ("projection_table",)
     if reference:
         buffers["reference_params"] = _bytes(reference)
@@ -499,7 +532,7 @@ def _stage_programs(step: OPDStep, ins: StepInputs):
                    held("train_state", *frozen)),
         "teacher_scoring": (lambda: step.score_fn.lower(teacher, ins.rollout, *reference),
                             held("train_state", "sampler_params", "kv_cache", "rollout",
-                                 *(("projection_table",) if step.cross is not None else ()))),
+                                 *(("projection_table",) if step.crosses else ()))),
         "train_step": (lambda: step.update_fn.lower(state, ins.batch, *ins.head), held(*frozen, "kv_cache")),
     }
     return programs, buffers

@@ -13,6 +13,10 @@ sequence and its scores are brought to the student's response layout:
   is the teacher's next-character distribution given the text; a lower bound of the teacher's next-text
   probability elsewhere (`crosstok.project`, docs/cross_tokenizer.md "When it is exact").
 
+Among several teachers (`opd.teachers`), each teacher with another tokenizer aligns and scores only its own rows
+(`align_routed`), and a teacher of the student's vocabulary writes the same fields with every token its own span
+(`same_vocab_fields`).
+
 A rollout the pair cannot align (a special token mid-response, a character the teacher cannot encode, more tokens
 than the layout holds) gets no spans: it adds nothing to the loss, and it is counted (`xtok_misaligned_frac`,
 with the reasons logged), never dropped silently.
@@ -34,6 +38,7 @@ from jopd.crosstok.spans import span_sums
 from jopd.losses.chunked import chunked_logits_map, head_params
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
+from jopd.opd.batch import SequenceLayout
 
 
 # teacher response slots beyond the student's max_new_tokens: its end-of-turn ids, and room for a response the
@@ -99,12 +104,14 @@ class CrossTeacher:
         return msgs + [{"role": "user", "content": user_turn}]
 
     def align(self, user_turns, tokens_BxN: np.ndarray, lengths_B: np.ndarray, prompt_width: int,
-              teacher_width: int) -> tuple[dict[str, np.ndarray], list[str | None]]:
+              teacher_width: int, own_B: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], list[str | None]]:
         """This process's rows aligned (host, numpy): the `CrossBatch` arrays and each row's failure reason.
-        `user_turns`: each row's user message (the batch's `user_turn`)."""
+        `user_turns`: each row's user message (the batch's `user_turn`). `own_B` (several teachers): only those
+        rows are aligned; the others are left empty (no spans) with no reason, as another teacher scores them."""
         B, N = tokens_BxN.shape
+        own = np.ones(B, bool) if own_B is None else np.asarray(own_B, bool)
         rows = [crosstok.align_response(self.pair, self.messages(str(q)), tokens_BxN[b, :lengths_B[b]].tolist())
-                for b, q in enumerate(user_turns)]
+                if own[b] else crosstok.Misaligned("") for b, q in enumerate(user_turns)]
         rows = [r if isinstance(r, crosstok.Misaligned) or len(r.teacher_prompt_ids_Pt) <= prompt_width
                 else crosstok.Misaligned(f"teacher prompt of {len(r.teacher_prompt_ids_Pt)} tokens > {prompt_width}")
                 for r in rows]
@@ -122,7 +129,25 @@ class CrossTeacher:
                   "end_span_BxN": idx.end_span_BxK,
                   "student_start_BxN": idx.student_start_BxK, "teacher_start_BxN": idx.teacher_start_BxK,
                   "aligned_B": np.asarray([r is None for r in idx.reasons])}
-        return arrays, list(idx.reasons)
+        return arrays, [r if o else None for r, o in zip(idx.reasons, own)]
+
+
+def align_routed(crosses, teacher_B: np.ndarray, user_turns, tokens_BxN: np.ndarray, lengths_B: np.ndarray,
+                 prompt_width: int, teacher_width: int) -> tuple[dict[str, np.ndarray], list[str | None]]:
+    """`CrossTeacher.align` for rows of several teachers: each teacher with another tokenizer (`crosses[i]`) aligns
+    its own rows (`teacher_B == i`) with its own pair; the rows of a teacher of the student's vocabulary (None) stay
+    empty (it scores the student's tokens: `same_vocab_fields`) and never fail. One teacher's rows of the arrays
+    are only read by that teacher (`teachers.routed_teacher_fields` slices them)."""
+    arrays, reasons = None, [None] * len(teacher_B)
+    for i, cross in enumerate(crosses):
+        own = np.asarray(teacher_B) == i
+        if cross is None or not (own.any() or arrays is None):
+            continue
+        mine, why = cross.align(user_turns, tokens_BxN, lengths_B, prompt_width, teacher_width, own)
+        arrays = mine if arrays is None else {k: np.where(own.reshape((-1,) + (1,) * (v.ndim - 1)), mine[k], v)
+                                              for k, v in arrays.items()}
+        reasons = [w if o else r for w, r, o in zip(why, reasons, own)]
+    return arrays, reasons
 
 
 def misaligned_summary(reasons: list[str | None]) -> str:
@@ -139,6 +164,61 @@ def _teacher_hidden(teacher_params, teacher_cfg: ModelConfig, cross: CrossBatch)
     return jax.lax.stop_gradient(hidden)
 
 
+def _ids_logprobs(temperature: float):
+    """A chunk function: the log-probs at `temperature` of the ids `inp["ids"]` [B, C, J] (log-softmax at them)."""
+    def fn(logits, inp):
+        z = logits / temperature
+        return {"lp": jnp.take_along_axis(z, inp["ids"], axis=-1) - jax.nn.logsumexp(z, axis=-1, keepdims=True)}
+    return fn
+
+
+def _first_occurrence(ids_BxNxK: jax.Array) -> jax.Array:
+    """True at each id's first occurrence in its [K] row (a repeated id counts once on the support)."""
+    K = ids_BxNxK.shape[-1]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)
+    return ~jnp.any((ids_BxNxK[..., :, None] == ids_BxNxK[..., None, :]) & earlier, axis=-1)
+
+
+def same_vocab_fields(
+    teacher_params,
+    layout: SequenceLayout,
+    student_topk_BxNxK: Int[Array, "B N K"] | None,
+    done_B: Bool[Array, "B"],
+    *,
+    teacher_cfg: ModelConfig,
+    mode: str,
+    temperature: float,
+    chunk: int,
+) -> dict[str, jax.Array]:
+    """`cross_teacher_fields`' fields from a teacher of the student's own vocabulary, one of several teachers of a
+    cross-tokenizer run (`opd.teachers`): it scores the student's tokens as sampled, so every response token is its
+    own aligned span (both sides sit at a token boundary after each token) and its distribution needs no
+    projection. sampled: span k is token k, with the teacher's log p_t(y_k) (so `xtok_sampled` is `sampled_opd`
+    with gamma = 0 on these rows); dense: every position is a span start, with the student's top-K ids and the
+    teacher's exact log-probs of them (`xtok_dense` is `topk_rkl_tail` on the student's top-K support)."""
+    N = layout.targets_BxN.shape[1]
+    hidden = transformer.response_hidden(teacher_params, teacher_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N)
+    head = jax.lax.stop_gradient(head_params(teacher_params))
+    valid_BxN, pos_1xN = layout.response_mask_BxN, jnp.arange(N)[None]
+    last_B1 = jnp.sum(valid_BxN, axis=1, keepdims=True) - 1
+    out = {"span_id_BxT": jnp.where(valid_BxN, pos_1xN, N).astype(jnp.int32), "span_mask_BxT": valid_BxN,
+           # the end span: the student's EOS, which is the teacher's too (one vocabulary)
+           "end_span_BxT": valid_BxN & (pos_1xN == last_B1) & done_B[:, None]}
+    if mode == "sampled":
+        lp = chunked_logits_map(_ids_logprobs(temperature), head, hidden, {"ids": layout.targets_BxN[..., None]},
+                                chunk, remat=False)["lp"][..., 0]
+        out["span_teacher_logprobs_BxT"] = jnp.where(valid_BxN, lp, 0.0)
+        return out
+    support = student_topk_BxNxK.astype(jnp.int32)
+    lp = chunked_logits_map(_ids_logprobs(temperature), head, hidden, {"ids": support}, chunk, remat=False)["lp"]
+    keep = _first_occurrence(support) & valid_BxN[..., None]
+    out["teacher_topk_ids_BxTxK"] = jnp.where(valid_BxN[..., None], support, 0)
+    out["teacher_topk_logprobs_BxTxK"] = jnp.where(keep, lp, 0.0)
+    out["support_mask_BxTxK"] = keep
+    out["dense_mask_BxT"] = valid_BxN
+    return out
+
+
 def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, *, teacher_cfg: ModelConfig,
                          table: crosstok.ProjectionTable, mode: str, temperature: float, chunk: int
                          ) -> dict[str, jax.Array]:
@@ -152,13 +232,8 @@ def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, 
     if mode == "sampled":
         # teacher position Pt + j - 1 predicts its response token j
         h_BxNtxD = hidden[:, Pt - 1:Pt - 1 + cross.tokens_BxNt.shape[1]]
-
-        def target_logprobs(logits, inp):
-            z = logits / temperature
-            lp = jnp.take_along_axis(z, inp["t"][..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
-            return {"lp": lp}
-
-        lp = chunked_logits_map(target_logprobs, head, h_BxNtxD, {"t": cross.tokens_BxNt}, chunk, remat=False)["lp"]
+        lp = chunked_logits_map(_ids_logprobs(temperature), head, h_BxNtxD, {"ids": cross.tokens_BxNt[..., None]},
+                                chunk, remat=False)["lp"][..., 0]
         lp = jnp.where(cross.mask_BxNt, lp, 0.0)
         sums = span_sums(lp, cross.teacher_span_BxNt, cross.span_mask_BxN.shape[1])
         out["span_teacher_logprobs_BxT"] = jnp.where(cross.span_mask_BxN, sums, 0.0)
@@ -171,9 +246,7 @@ def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, 
     back = cross.span_mask_BxN & (start > 0)  # the first span follows the prompt: nothing to back off to
     last = jnp.take_along_axis(cross.tokens_BxNt, jnp.maximum(start - 1, 0), axis=1)
     support = jnp.take_along_axis(student_topk_BxNxK, cross.student_start_BxN[..., None], axis=1).astype(jnp.int32)
-    K = support.shape[-1]
-    earlier = jnp.tril(jnp.ones((K, K), bool), -1)
-    first = ~jnp.any((support[..., :, None] == support[..., None, :]) & earlier, axis=-1)
+    first = _first_occurrence(support)
     inputs = {"ids": support, "first": first, "last": last}
 
     def projected(logits, inp):

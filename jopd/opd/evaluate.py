@@ -4,8 +4,9 @@ the final answer is right. One number per problem, so two runs can be compared p
 
 A teacher with another tokenizer (`cross`): the divergence is tokenizer-free, the sampled reverse KL of the text
 per character, (log p_student(response) - log p_teacher(response)) / (characters + 1 for the end of the turn),
-both sides scoring their own tokenization of the same text; a response the pair cannot align is counted
-(`misaligned` in the summary) and left out of the divergence's mean, never scored as 0.
+both sides scoring their own tokenization of the same text (with several teachers, one of the student's
+vocabulary scores the student's tokens, so every row of the run is per character); a response the pair cannot
+align is counted (`misaligned` in the summary) and left out of the divergence's mean, never scored as 0.
 """
 
 from __future__ import annotations
@@ -157,19 +158,55 @@ def _teacher_text_logprobs(teacher_params, cross, *, t_cfg: ModelConfig, tempera
     return jnp.sum(out["span_teacher_logprobs_BxT"], axis=1)
 
 
+def _per_character(t_lp_B, out, tokenizer) -> np.ndarray:
+    """(log p_s(response) - log p_t(response)) / (characters + 1 where the response ended its turn)."""
+    s_lp = np.sum(out.unprocessed_logprobs_BxN * out.response_mask_BxN, axis=1)
+    chars = np.asarray([len(tokenizer.decode(t[:n], skip_special_tokens=True)) + int(d)
+                        for t, n, d in zip(out.tokens_BxN, out.lengths_B, out.done_B)], np.float64)
+    return (s_lp - np.asarray(t_lp_B)) / np.maximum(chars, 1.0)
+
+
 def cross_divergence_B(cross_teacher, teacher_params, t_cfg: ModelConfig, batch, out, temperature: float):
     """Per row: (log p_s(response) - log p_t(response)) / (characters + end of turn); NaN if not aligned."""
     from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch
 
     P, N = batch["prompt_tokens"].shape[1], out.tokens_BxN.shape[1]
     arrays, reasons = cross_teacher.align(batch["user_turn"], out.tokens_BxN, out.lengths_B, P, N + TEACHER_SLACK)
-    t_lp = np.asarray(_teacher_text_logprobs(teacher_params, CrossBatch(**arrays), t_cfg=t_cfg,
-                                             temperature=temperature))
-    s_lp = np.sum(out.unprocessed_logprobs_BxN * out.response_mask_BxN, axis=1)
-    chars = np.asarray([len(cross_teacher.pair.student_tok.decode(t[:n], skip_special_tokens=True)) + int(d)
-                        for t, n, d in zip(out.tokens_BxN, out.lengths_B, out.done_B)], np.float64)
-    div = (s_lp - t_lp) / np.maximum(chars, 1.0)
+    t_lp = _teacher_text_logprobs(teacher_params, CrossBatch(**arrays), t_cfg=t_cfg, temperature=temperature)
+    div = _per_character(t_lp, out, cross_teacher.pair.student_tok)
     return np.where([r is None for r in reasons], div, np.nan)
+
+
+@functools.partial(jax.jit, static_argnames=("t_cfg", "temperature"))
+def _teacher_token_logprobs(teacher_params, tokens_BxT, attn_mask_BxT, targets_BxN, *, t_cfg: ModelConfig,
+                            temperature: float):
+    """log p_teacher of each row's response as the student's tokens (a teacher of the student's vocabulary)."""
+    from jopd.opd.batch import SequenceLayout
+    from jopd.opd.cross_teacher import same_vocab_fields
+
+    N = targets_BxN.shape[1]
+    layout = SequenceLayout(tokens_BxT, attn_mask_BxT, targets_BxN, attn_mask_BxT[:, -N:])
+    out = same_vocab_fields(teacher_params, layout, None, jnp.zeros(targets_BxN.shape[0], bool), teacher_cfg=t_cfg,
+                            mode="sampled", temperature=temperature, chunk=64)
+    return jnp.sum(out["span_teacher_logprobs_BxT"], axis=1)
+
+
+def routed_cross_divergence_B(student_params, teacher_params, task_id_B, *, t_cfgs, routing, crosses, tokenizer, batch,
+                              out, tokens, attn, temperature: float) -> np.ndarray:
+    """`cross_divergence_B` per row against its task's teacher (`Routing.eval_teacher`) in a cross-tokenizer run
+    with several teachers: a teacher with another tokenizer scores its own tokenization of the text, one of the
+    student's vocabulary the student's tokens (its training signal); both per character."""
+    targets = np.asarray([routing.eval_teacher(int(t)) for t in task_id_B])
+    result = np.full(len(task_id_B), np.nan)
+    for target in dict.fromkeys(targets.tolist()):
+        if crosses[target] is not None:
+            div = cross_divergence_B(crosses[target], teacher_params[target], t_cfgs[target], batch, out, temperature)
+        else:
+            t_lp = _teacher_token_logprobs(teacher_params[target], tokens, attn, out.tokens_BxN.astype(np.int32),
+                                           t_cfg=t_cfgs[target], temperature=temperature)
+            div = _per_character(t_lp, out, tokenizer)
+        result[targets == target] = div[targets == target]
+    return result
 
 
 def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cfg: ModelConfig, tokenizer,
@@ -193,7 +230,12 @@ def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cf
         tokens = np.concatenate([batch["prompt_tokens"], out.tokens_BxN], axis=1)
         resp_mask = out.response_mask_BxN
         attn = np.concatenate([batch["prompt_mask"].astype(bool), resp_mask], axis=1)
-        if routing is not None:
+        if routing is not None and cross is not None:
+            per_problem = routed_cross_divergence_B(student_params, teacher_params, batch["task_id"], t_cfgs=t_cfg,
+                                                    routing=routing, crosses=cross, tokenizer=tokenizer, batch=batch,
+                                                    out=out, tokens=tokens, attn=attn,
+                                                    temperature=sampling.temperature)
+        elif routing is not None:
             per_problem = routed_divergence_B(student_params, teacher_params, batch["task_id"], s_cfg=s_cfg,
                                               t_cfgs=t_cfg, routing=routing, tokens=tokens, attn=attn, n_response=N,
                                               temperature=sampling.temperature)

@@ -25,9 +25,9 @@ from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
 from jopd.opd.evaluate import compare_table, evaluate_heldout
 from jopd.opd.guards import RunGuard, loggable
 from jopd.opd.metrics_log import MetricsWriter, plot_curves
-from jopd.opd.cross_teacher import CrossTeacher, misaligned_summary
-from jopd.opd.model_sources import (check_compatible, get_model, get_teachers, precheck_sources, run_tokenizer,
-                                   teacher_tokenizer)
+from jopd.opd.cross_teacher import misaligned_summary
+from jopd.opd.model_sources import (check_compatible, cross_teachers, get_model, get_teachers, precheck_sources,
+                                   run_tokenizer, teacher_tokenizers)
 from jopd.opd.run_config import RunConfig, to_yaml
 from jopd.opd.step import OPDStep, build_step
 from jopd.opd.train_state import TrainState
@@ -58,20 +58,23 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     if OBJECTIVES[cfg.loss.kind].needs_teacher_topk and cfg.loss.top_k > len(tokenizer):
         raise ValueError(f"RunConfig.loss.top_k={cfg.loss.top_k}: larger than the vocabulary ({len(tokenizer)} "
                          f"tokens)")
-    t_tok = teacher_tokenizer(cfg)  # the student's, unless loss.cross_tokenizer
+    t_toks = teacher_tokenizers(cfg)  # the student's, unless loss.cross_tokenizer
     if cfg.teachers:  # several: a tuple of each, in `teachers` order (`opd.teachers`)
-        teacher_cfg, teacher_params, t_from = get_teachers(cfg, t_tok)
+        teacher_cfg, teacher_params, t_from = get_teachers(cfg, t_toks)
         t_from = ", ".join(f"{t.name} {where}" for t, where in zip(cfg.teachers, t_from))
     else:
-        teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, t_tok)
+        teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, t_toks[0])
     student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
-    cross = None
+    t_cfgs = teacher_cfg if cfg.teachers else (teacher_cfg,)
     if cfg.loss.cross_tokenizer == "off":
-        for i, t_cfg in enumerate(teacher_cfg if cfg.teachers else (teacher_cfg,)):
+        for i, t_cfg in enumerate(t_cfgs):
             check_compatible(student_cfg, t_cfg, None, None, f"teachers[{i}]" if cfg.teachers else "teacher")
-    else:
-        cross = CrossTeacher.make(tokenizer, t_tok, student_cfg, teacher_cfg, cfg.data.system_prompt)
+    cross = cross_teachers(cfg, tokenizer, t_toks, student_cfg, t_cfgs)
     log(f"teacher{'s' if cfg.teachers else ''}: {t_from}  student: {s_from}")
+    if isinstance(cross, tuple):  # several teachers of a cross-tokenizer run: which ones align their rows
+        own = [t.name for t, c in zip(cfg.teachers, cross) if c is not None]
+        log(f"loss.cross_tokenizer={cfg.loss.cross_tokenizer}: with their own tokenizer {', '.join(own) or 'none'}; "
+            f"the others score the student's tokens directly")
     idle = [t.name for t in cfg.teachers if cfg.routing == "task" and not t.tasks]
     if idle:  # held (e.g. the other routings of a study share the config), but it scores no row
         log(f"warning: routing=task gives teacher(s) {', '.join(idle)} no rows (no `tasks`)")

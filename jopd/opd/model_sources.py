@@ -38,11 +38,47 @@ def run_tokenizer(cfg: RunConfig):
     return build_toy_tokenizer()
 
 
-def teacher_tokenizer(cfg: RunConfig):
-    """The teacher's tokenizer (the run's with loss.cross_tokenizer off)."""
+def teacher_tokenizers(cfg: RunConfig) -> tuple[Any, ...]:
+    """Each teacher's tokenizer, in `teacher_sources` order: the run's with loss.cross_tokenizer off; else its own
+    (its `tokenizer`, else its checkpoint's, else the toy one)."""
     if cfg.loss.cross_tokenizer == "off":
-        return run_tokenizer(cfg)
-    return _own_tokenizer(cfg.teacher) or build_toy_tokenizer()
+        return (run_tokenizer(cfg),) * len(cfg.teacher_sources())
+    return tuple(_own_tokenizer(src) or build_toy_tokenizer() for src in cfg.teacher_sources())
+
+
+def teacher_tokenizer(cfg: RunConfig):
+    """The (first) teacher's tokenizer (the run's with loss.cross_tokenizer off)."""
+    return teacher_tokenizers(cfg)[0]
+
+
+def shares_vocabulary(student_tok, teacher_tok) -> bool:
+    """The same token ids, EOS and chat template: a teacher that can score the student's tokens as they are (one of
+    several teachers of a loss.cross_tokenizer run is then scored directly, `cross_teacher.same_vocab_fields`)."""
+    return (student_tok.get_vocab() == teacher_tok.get_vocab() and student_tok.eos_token_id == teacher_tok.eos_token_id
+            and (student_tok.chat_template or "") == (teacher_tok.chat_template or ""))
+
+
+def cross_teachers(cfg: RunConfig, student_tok, teacher_toks, student_cfg: ModelConfig,
+                   teacher_cfgs: tuple[ModelConfig, ...]):
+    """`build_step`'s `cross`: None with loss.cross_tokenizer off; the one teacher's `CrossTeacher` (its pair
+    checked, its projection table built); with `teachers`, one per teacher, None for a teacher that shares the
+    student's vocabulary (`shares_vocabulary`; its vocab_size then checked like any same-vocabulary teacher's)."""
+    from jopd.opd.cross_teacher import CrossTeacher
+
+    if cfg.loss.cross_tokenizer == "off":
+        return None
+    def make(tok, t_cfg):
+        return CrossTeacher.make(student_tok, tok, student_cfg, t_cfg, cfg.data.system_prompt)
+
+    if not cfg.teachers:
+        return make(teacher_toks[0], teacher_cfgs[0])
+    out = []
+    for i, (tok, t_cfg) in enumerate(zip(teacher_toks, teacher_cfgs)):
+        shared = shares_vocabulary(student_tok, tok)
+        if shared:
+            check_compatible(student_cfg, t_cfg, None, None, f"teachers[{i}]")
+        out.append(None if shared else make(tok, t_cfg))
+    return tuple(out)
 
 
 def testbed_model_config(src: ModelSource, tokenizer) -> ModelConfig:
@@ -82,9 +118,12 @@ def teacher_data(cfg: RunConfig, src: TeacherSource) -> DataConfig:
     return dataclasses.replace(cfg.data, mix={t: weights[t] for t in src.tasks})
 
 
-def get_teachers(cfg: RunConfig, tokenizer) -> tuple[tuple[ModelConfig, ...], tuple[Any, ...], list[str]]:
-    """Every teacher of the run (`teachers`, or `teacher`), each made or loaded like the one teacher."""
-    out = [get_model("teacher", src, cfg, tokenizer, teacher_data(cfg, src)) for src in cfg.teacher_sources()]
+def get_teachers(cfg: RunConfig, tokenizers: tuple[Any, ...]) -> tuple[tuple[ModelConfig, ...], tuple[Any, ...],
+                                                                   list[str]]:
+    """Every teacher of the run (`teachers`, or `teacher`), each made or loaded like the one teacher, with its
+    tokenizer (`teacher_tokenizers`: a testbed teacher's vocabulary and its SFT warm start's)."""
+    out = [get_model("teacher", src, cfg, tok, teacher_data(cfg, src))
+           for src, tok in zip(cfg.teacher_sources(), tokenizers)]
     return tuple(o[0] for o in out), tuple(o[1] for o in out), [o[2] for o in out]
 
 
@@ -106,10 +145,18 @@ def precheck_sources(cfg: RunConfig) -> None:
     if cfg.loss.cross_tokenizer != "off":  # another tokenizer: the pair must align (one line if not)
         from jopd import crosstok
 
-        try:
-            crosstok.check_pair(run_tokenizer(cfg), teacher_tokenizer(cfg))
-        except crosstok.PairError as e:
-            raise ValueError(f"RunConfig.loss.cross_tokenizer: {e}") from None
+        student_tok = run_tokenizer(cfg)
+        for (role, _), tok in zip(roles, teacher_tokenizers(cfg)):
+            if cfg.teachers and shares_vocabulary(student_tok, tok):  # scored directly: one vocabulary
+                if role in cfgs and "student" in cfgs:
+                    check_compatible(cfgs["student"], cfgs[role], None, None, role)
+                continue
+            try:
+                crosstok.check_pair(student_tok, tok)
+            except crosstok.PairError as e:
+                where = f"{role}.tokenizer" if cfg.teachers else "loss.cross_tokenizer"
+                raise ValueError(f"RunConfig.{where}: {e}" + (" (loss.cross_tokenizer)" if cfg.teachers else "")
+                                 ) from None
     elif "student" in cfgs:
         for role, _ in roles:
             if role in cfgs:

@@ -68,7 +68,7 @@ class ModelSource:
     dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer
     # The model's tokenizer when it is not the checkpoint's own (an HF directory or .gguf); None: the
     # checkpoint's, or the toy tokenizer for a testbed model. A teacher's may differ from the student's with
-    # loss.cross_tokenizer.
+    # loss.cross_tokenizer (each of several teachers its own: one sharing the student's is scored directly).
     tokenizer: str | None = None
 
     def resolved_warm_start(self) -> WarmStartConfig:
@@ -88,6 +88,11 @@ class TeacherSource(ModelSource):
     # run's whole stream.
     tasks: tuple[str, ...] = ()
     weight: float = pydantic.Field(1.0, gt=0)  # its weight under routing=mixture
+    # How its parameters sit on the mesh: `fsdp`, split like the student's (FSDP x tensor: the least memory per
+    # chip, its forward all-gathers each layer's weights); `replicated`, held whole on every device (no
+    # all-gather, its full size on every chip: for a small teacher; its forward then runs on each device's rows
+    # with the whole weights, so a tensor axis computes it redundantly).
+    placement: Literal["fsdp", "replicated"] = "fsdp"
 
 
 @config_dataclass
@@ -183,9 +188,10 @@ def _check_teachers(cfg: RunConfig) -> None:
             raise ConfigError(f"teachers[{i}].name: {name!r} is taken (names are unique, and not task / mixture)")
     if cfg.routing not in ("task", "mixture", *names):
         raise ConfigError(f"routing: {cfg.routing!r} is not task, mixture or a teacher's name ({', '.join(names)})")
-    if cfg.loss.cross_tokenizer != "off":
-        raise ConfigError(f"teachers: not with loss.cross_tokenizer={cfg.loss.cross_tokenizer} (one teacher of "
-                         f"another tokenizer: `teacher`)")
+    if cfg.loss.cross_tokenizer != "off" and cfg.routing == "mixture" and len(cfg.teachers) > 1:
+        raise ConfigError(f"routing: mixture is not available with loss.cross_tokenizer={cfg.loss.cross_tokenizer} "
+                         f"(a mixture adds the teachers' probabilities of one next token; route by task or to one "
+                         f"teacher)")
     tasks = [s.name for s in task_sources(cfg.data)]
     owner: dict[str, str] = {}
     for i, t in enumerate(cfg.teachers):

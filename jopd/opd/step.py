@@ -7,7 +7,8 @@
     state, metrics = step.update(state, train_batch, teacher_params)   # student forward/backward, Optax
 
 Every device stage is jitted once here with explicit shardings (pjit's modern form): TRAIN rules (fsdp x
-tensor) for the student, its optimizer state and the teacher; SAMPLE rules (tensor only) for the rollout copy
+tensor) for the student, its optimizer state and the teacher (or, by a teacher's `placement: replicated`, its
+parameters whole on every device); SAMPLE rules (tensor only) for the rollout copy
 of the student; the batch over data x fsdp. The shardings are computed once, from `eval_shape` of the initial
 state, and the same ones serve init, restore and the step. `jopd train`'s loop, `jopd aot` (which lowers the
 same jitted stages from abstract inputs), the lab commands and the benchmarks all call this object; none
@@ -49,7 +50,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd import packing, rewards, teachers
-from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher
+from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
 from jopd.opd.batch import RolloutArrays, TrainBatch
 from jopd.opd.optim import make_optimizer
 from jopd.opd.rewards import RLTrainState
@@ -77,7 +78,7 @@ def weight_sync_key(rng: jax.Array, step: int | jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
     student: Any  # trainer layout of the student params
-    teacher: Any  # the teacher params (train rules: it is held all run long); a tuple with several teachers
+    teacher: Any  # the teacher params (held all run long; each by its `placement`); a tuple with several teachers
     sampler_params: Any  # rollout layout of the student, layers unstacked (what the weight sync returns)
     state: TrainState  # the train state's, from eval_shape of the initial state
     batch: NamedSharding  # leading dim over data x fsdp; its rank-1 spec fits every batch leaf of rank >= 1
@@ -205,7 +206,9 @@ class OPDStep:
     update_fn: Any
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
     repeat_fn: Any  # jit: (prompt_UxP, mask_UxP) -> each prompt G times, rows r*G .. r*G+G-1 (the scored layout)
-    cross: CrossTeacher | None = None  # a teacher with another tokenizer: the rollout is aligned to it on the host
+    # a teacher with another tokenizer: the rollout is aligned to it on the host; with several teachers a tuple,
+    # None for each teacher of the student's vocabulary (`opd.teachers`)
+    cross: CrossTeacher | tuple[CrossTeacher | None, ...] | None = None
     routing: teachers.Routing | None = None  # several teachers (`teacher_cfg` then a tuple): who scores which rows
 
     # -- sizes ------------------------------------------------------------------------------------------
@@ -240,6 +243,13 @@ class OPDStep:
     def uses_running_baseline(self) -> bool:
         """The train state is an `RLTrainState` (REINFORCE with rl.baseline=running_mean)."""
         return rewards.uses_running_baseline(self.objective, self.cfg.rl)
+
+    @property
+    def crosses(self) -> tuple[CrossTeacher, ...]:
+        """The run's teachers with another tokenizer (none, the one, or those of several teachers)."""
+        if self.cross is None:
+            return ()
+        return tuple(c for c in self.cross if c is not None) if isinstance(self.cross, tuple) else (self.cross,)
 
     # -- state ------------------------------------------------------------------------------------------
 
@@ -381,7 +391,13 @@ class OPDStep:
         local row's failure reason (None: aligned)."""
         tokens, lengths = (np.asarray(x) for x in self.local_rows((sample.tokens_BxN, sample.lengths_B)))
         P, N = batch["prompt_tokens"].shape[1], tokens.shape[1]
-        arrays, reasons = self.cross.align(batch["user_turn"], tokens, lengths, P, N + TEACHER_SLACK)
+        if isinstance(self.cross, tuple):  # several teachers: each with another tokenizer aligns its own rows
+            owner = teachers.row_teachers(batch["task_id"], self.routing)
+            arrays, reasons = align_routed(self.cross, owner, batch["user_turn"], tokens, lengths, P, N + TEACHER_SLACK)
+            if arrays is None:  # every teacher shares the student's vocabulary: nothing to align
+                return None, reasons
+        else:
+            arrays, reasons = self.cross.align(batch["user_turn"], tokens, lengths, P, N + TEACHER_SLACK)
         return CrossBatch(**host_local_to_global(arrays, self.shardings.batch)), reasons
 
     def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray], state: TrainState):
@@ -431,12 +447,37 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tupl
     # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
     meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size * rollouts_per_prompt(cfg),),
                            where="data.batch_size")
-    teacher = tuple(meshlib.param_shardings(c, mesh, train_rules) for c in t_cfg) if isinstance(t_cfg, tuple) else \
-        meshlib.param_shardings(t_cfg, mesh, train_rules)
+    placements = [src.placement for src in cfg.teacher_sources()]
+    teacher = tuple(teacher_shardings(c, mesh, train_rules, p) for c, p in zip(t_cfg, placements)) \
+        if isinstance(t_cfg, tuple) else teacher_shardings(t_cfg, mesh, train_rules, placements[0])
     return StepShardings(
         student=student, teacher=teacher, sampler_params=sampler_params,
         state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
         cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"])
+
+
+def teacher_shardings(t_cfg: ModelConfig, mesh, train_rules: meshlib.AxisRules, placement: str):
+    """A teacher's parameter shardings for its `placement`: `fsdp`, the trainer's rules (FSDP x tensor); `replicated`,
+    every leaf whole on every device (P()), so its forward never all-gathers a weight."""
+    if placement == "replicated":
+        return jax.tree.map(lambda _: NamedSharding(mesh, P()), transformer.abstract_params(t_cfg))
+    return meshlib.param_shardings(t_cfg, mesh, train_rules)
+
+
+def _check_cross_teachers(cfg: RunConfig, s_cfg: ModelConfig, t_cfg, cross) -> None:
+    """`cross` against the teachers: one `CrossTeacher` for `teacher`; with `teachers`, one entry per teacher, None
+    for a teacher of the student's vocabulary (scored directly: same `vocab_size`)."""
+    if not cfg.teachers:
+        if isinstance(cross, tuple):
+            raise ValueError("build_step: `cross` is a tuple, but the run has one `teacher`")
+        return
+    if not isinstance(cross, tuple) or len(cross) != len(cfg.teachers):
+        raise ValueError(f"build_step: {len(cfg.teachers)} teachers with loss.cross_tokenizer need `cross` as a tuple "
+                         f"of as many (None: a teacher of the student's vocabulary)")
+    for i, (c, m) in enumerate(zip(cross, t_cfg)):
+        if c is None and m.vocab_size != s_cfg.vocab_size:
+            raise ValueError(f"RunConfig.teachers[{i}]: vocab_size={m.vocab_size} is not the student's "
+                             f"({s_cfg.vocab_size}), so it needs its own tokenizer (`teachers[{i}].tokenizer`)")
 
 
 def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool
@@ -469,6 +510,8 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[Mo
         raise ValueError(f"RunConfig.loss.cross_tokenizer={loss_cfg.cross_tokenizer}: "
                          + ("needs the teacher's tokenizer (build_step's `cross`)" if cross is None else
                             "is off, but the step was given a cross-tokenizer teacher"))
+    if cross is not None:
+        _check_cross_teachers(cfg, s_cfg, t_cfg, cross)
     if cross is not None and cfg.train.pack:
         raise ValueError("RunConfig.train.pack: not with loss.cross_tokenizer (the teacher scores its own sequences)")
     if cfg.train.pack and cfg.optim.grad_accum_steps > 1:
@@ -492,9 +535,10 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[Mo
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
     dtype = DTYPES[cfg.student.dtype]
+    tables = None if cross is None else cross.table if not isinstance(cross, tuple) else \
+        tuple(None if c is None else c.table for c in cross)
     score = functools.partial(score_rollout, teacher_cfg=t_cfg, student_cfg=s_cfg, loss_cfg=loss_cfg,
-                              is_logprobs=cfg.train.is_logprobs, dtype=dtype,
-                              cross_table=None if cross is None else cross.table, routing=routing)
+                              is_logprobs=cfg.train.is_logprobs, dtype=dtype, cross_table=tables, routing=routing)
     # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())

@@ -210,14 +210,17 @@ def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None,
     """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
     the response-aligned loss fields: the teacher's, the sampler's log-probs, advantages, the reference's).
     With `rollout.plan` (`train.pack`), the sequences are packed: the student's input is the packed rows.
-    With `routing` (several teachers, `opd.teachers`), `teacher_params` and `teacher_cfg` are tuples."""
+    With `routing` (several teachers, `opd.teachers`), `teacher_params` and `teacher_cfg` are tuples, and so is
+    `cross_table` with `loss.cross_tokenizer` (None for a teacher of the student's vocabulary)."""
     sample, plan = rollout.sample, rollout.plan
     layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
     if routing is not None:
-        from jopd.opd.teachers import routed_teacher_fields
+        from jopd.opd.teachers import CrossRows, routed_teacher_fields
 
+        cross = None if cross_table is None else CrossRows(rollout.cross, cross_table, sample.done_B)
         teacher = routed_teacher_fields(teacher_params, layout, teacher_cfgs=teacher_cfg, routing=routing,
-                                        loss_cfg=loss_cfg, student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)
+                                        loss_cfg=loss_cfg, student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan,
+                                        cross=cross)
     elif rollout.cross is None:
         teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
                                  student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)

@@ -12,6 +12,12 @@
   with weight w gives back the teacher itself: the step then runs exactly the one-teacher computation.
 - **one** (a teacher's name): that teacher scores every row; the others only serve the held-out eval.
 
+With `loss.cross_tokenizer` (task or one; a mixture is refused), each teacher writes the cross kinds' fields for
+its own rows (`routed_teacher_fields`' `cross`): a teacher with its own tokenizer by the cross path
+(`cross_teacher_fields`, on its rows of the rollout's `CrossBatch`, aligned on the host to its pair by
+`cross_teacher.align_routed`), a teacher of the student's vocabulary directly on the student's tokens, every token
+its own span (`cross_teacher.same_vocab_fields`). So the loss reads one set of fields for every row.
+
 The held-out eval measures each row's teacher divergence against its task's teacher (`Routing.eval_teacher`):
 the teacher that lists the task, else what the run trains against (the mixture, or the one teacher), so runs with
 different routings are compared on the same footing.
@@ -32,6 +38,7 @@ from jopd.data.mixture import batch_rows, task_sources
 from jopd.losses import LossConfig
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import SequenceLayout
+from jopd.opd.cross_teacher import cross_teacher_fields, same_vocab_fields
 from jopd.opd.run_config import RunConfig
 from jopd.opd.teacher import mixture_scores, scored_hidden, teacher_fields
 
@@ -110,23 +117,53 @@ def _shard_concat(parts: Sequence[jax.Array], shards: int) -> jax.Array:
     return out.reshape(out.shape[0] * out.shape[1], *out.shape[2:])
 
 
+@dataclasses.dataclass(frozen=True)
+class CrossRows:
+    """What the teachers of a `loss.cross_tokenizer` run read besides the student's rows: the rollout's
+    `CrossBatch` (the rows of the teachers with another tokenizer, aligned to each), each teacher's projection
+    table (None: a teacher of the student's vocabulary, `same_vocab_fields`), and which rows ended their turn."""
+
+    batch: Any  # `cross_teacher.CrossBatch` or None (no teacher with another tokenizer)
+    tables: tuple[Any, ...]  # per teacher: its `crosstok.ProjectionTable`, or None
+    done_B: jax.Array
+
+
+def row_teachers(task_id_B: np.ndarray, routing: Routing) -> np.ndarray:
+    """The teacher that scores each row (host): its task's under routing=task, the named one under one."""
+    if routing.mode == "one":
+        return np.full(len(task_id_B), routing.scorer)
+    return np.asarray([routing.owner[t] for t in task_id_B])
+
+
 def routed_teacher_fields(teacher_params: tuple[Any, ...], layout: SequenceLayout, *,
                           teacher_cfgs: tuple[ModelConfig, ...], routing: Routing, loss_cfg: LossConfig,
-                          student_topk_ids_BxNxK=None, plan=None) -> dict[str, jax.Array]:
+                          student_topk_ids_BxNxK=None, plan=None, cross: CrossRows | None = None
+                          ) -> dict[str, jax.Array]:
     """`teacher.teacher_fields` of a step with several teachers (see the module docstring). `plan` (packed
-    sequences) only with routing to one teacher."""
+    sequences) only with routing to one teacher. `cross` (`loss.cross_tokenizer`): each teacher writes the cross
+    kinds' fields for its rows, by the cross path or, sharing the student's vocabulary, directly."""
+    def fields(i, layout, topk, rows):  # teacher i on `rows` (a function of each [B, ...] input: its slice)
+        if cross is None:
+            return teacher_fields(teacher_params[i], layout, teacher_cfg=teacher_cfgs[i], loss_cfg=loss_cfg,
+                                  student_topk_ids_BxNxK=topk, plan=plan)
+        if cross.tables[i] is None:
+            return same_vocab_fields(teacher_params[i], layout, topk, rows(cross.done_B), teacher_cfg=teacher_cfgs[i],
+                                     mode=loss_cfg.cross_tokenizer, temperature=loss_cfg.temperature,
+                                     chunk=loss_cfg.chunk_size)
+        return cross_teacher_fields(teacher_params[i], jax.tree.map(rows, cross.batch), topk,
+                                    teacher_cfg=teacher_cfgs[i], table=cross.tables[i], mode=loss_cfg.cross_tokenizer,
+                                    temperature=loss_cfg.temperature, chunk=loss_cfg.chunk_size)
+
     if routing.mode == "one" or len(teacher_params) == 1:  # one teacher scores every row: the one-teacher step
         i = routing.scorer if routing.mode == "one" else 0
-        return teacher_fields(teacher_params[i], layout, teacher_cfg=teacher_cfgs[i], loss_cfg=loss_cfg,
-                              student_topk_ids_BxNxK=student_topk_ids_BxNxK, plan=plan)
+        return fields(i, layout, student_topk_ids_BxNxK, lambda x: x)
     if routing.mode == "mixture":
         return _mixture_fields(teacher_params, layout, teacher_cfgs=teacher_cfgs, log_weights=routing.log_weights,
                                loss_cfg=loss_cfg, student_topk_ids_BxNxK=student_topk_ids_BxNxK)
     S, outs, lo = routing.shards, [], 0
-    for params, t_cfg, n in zip(teacher_params, teacher_cfgs, routing.shard_rows):
+    for i, n in enumerate(routing.shard_rows):
         mine = lambda x, lo=lo, n=n: None if x is None else _shard_slice(x, S, lo, lo + n)  # noqa: E731
-        outs.append(teacher_fields(params, SequenceLayout(*map(mine, layout)), teacher_cfg=t_cfg, loss_cfg=loss_cfg,
-                                   student_topk_ids_BxNxK=mine(student_topk_ids_BxNxK)))
+        outs.append(fields(i, SequenceLayout(*map(mine, layout)), mine(student_topk_ids_BxNxK), mine))
         lo += n
     return {k: _shard_concat([o[k] for o in outs], S) for k in outs[0]}
 

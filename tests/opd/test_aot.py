@@ -133,7 +133,7 @@ def test_missing_model_path_names_the_field(tmp_path):
 def test_real_configs_validate():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(str(path))
-        for src in (cfg.student, cfg.teacher):
+        for src in (cfg.student, *cfg.teacher_sources()):
             if src.path is not None and src.path.startswith("configs/arch/"):
                 assert (ROOT / src.path / "config.json").is_file(), path
             elif src.path is not None:  # a built-in model name (e.g. smollm2-135m-instruct)
@@ -434,3 +434,48 @@ def test_cross_tokenizer_pair_from_config_json_alone_sizes_with_a_stand_in_table
     assert report.stages[0].error is None and report.stages[0].memory.argument > report.buffers["cross_batch"] > 0
     with pytest.raises(ValueError, match=r"^teacher/student vocab mismatch: .* set loss.cross_tokenizer"):
         aot.compile_opd_step(load_config(None, base), stages=["teacher_scoring"], progress=False)
+
+
+def test_each_teacher_is_sized_by_its_placement():
+    """Two teachers on 8 fsdp devices, the second `placement: replicated`: its bytes per device are its whole
+    size, the first's its FSDP shard (both from the shapes and shardings, independently of XLA)."""
+    from jopd import parallel as meshlib
+    from jopd.models import transformer
+
+    arch = "arch: {num_layers: 1, hidden_size: 32, intermediate_size: 64}"
+    teachers = (f"teachers=[{{name: a, tasks: [arithmetic], {arch}}}, "
+                f"{{name: b, tasks: [counting], {arch}, placement: replicated}}]")
+    cfg = load_config(None, [*TINY[:5], "data.batch_size=16", "data.mix={arithmetic: 1, counting: 1}", teachers,
+                             "mesh.data=1", "mesh.fsdp=8"])
+    report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
+    t_cfg = aot.model_config_of(cfg.teachers[0], "teachers[0]")
+    shapes = transformer.abstract_params(t_cfg)
+    whole = sum(x.size * 4 for x in jax.tree.leaves(shapes))
+    fsdp = meshlib.sharded_bytes_per_device(shapes, meshlib.param_shardings(t_cfg, meshlib.make_mesh(cfg.mesh),
+                                                                            meshlib.TRAIN_RULES))
+    a, b = report.models["a"], report.models["b"]
+    assert (a["placement"], b["placement"]) == ("fsdp", "replicated")
+    assert b["bytes_per_device"] == whole and a["bytes_per_device"] == fsdp < whole / 4
+    assert report.buffers["teacher_params"] == whole + fsdp
+    assert report.stages[0].error is None and report.stages[0].memory.argument >= whole + fsdp
+    assert "b: llama" in report.table() and "replicated (" in report.table()
+
+
+def test_a_teacher_with_another_tokenizer_among_several_holds_the_only_projection_table():
+    """A toy-vocabulary teacher beside one with SmolLM2's tokenizer (routed by task): one projection table (the
+    cross teacher's, as if it were alone), the teachers' rows' span arrays, both teachers' params."""
+    arch = "arch: {num_layers: 1, hidden_size: 16, intermediate_size: 32}"
+    teachers = (f"teachers=[{{name: same, tasks: [arithmetic], {arch}}}, "
+                f"{{name: smol, tasks: [counting], {arch}, tokenizer: '{io.smollm2_gguf_path()}'}}]")
+    cfg = load_config(None, [*TINY[:5], "data.batch_size=16", "data.mix={arithmetic: 1, counting: 1}", teachers,
+                             "loss.cross_tokenizer=dense", "mesh.data=8"])
+    report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
+    assert report.models["smol"]["vocab"] == 49152 and report.models["same"]["vocab"] == 103
+    name, E = report.shapes["xtok_pairs"].split(": ")
+    assert name == "smol" and 0 < int(E) < 4 * 49152
+    assert report.buffers["projection_table"] == 4 * (49152 * 4 + 1 + 2 * 103 + 3 * int(E))
+    assert report.buffers["cross_batch"] == (16 // 8) * _cross_batch_bytes_per_row(16, 8)
+    assert report.buffers["teacher_params"] == report.models["same"]["bytes_per_device"] + \
+        report.models["smol"]["bytes_per_device"]
+    (scoring,) = report.stages
+    assert scoring.error is None and scoring.resident["projection_table"] == report.buffers["projection_table"]

@@ -68,10 +68,21 @@ def _alone(i, rollout):
                                          student_topk_ids_BxNxK=s.topk_ids_BxNxK))
 
 
-@pytest.mark.parametrize("devices,mesh", [(1, ["mesh.data=1"]), (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])])
-def test_routing_by_task_scores_each_row_with_its_own_teacher(devices, mesh):
-    cfg = _cfg(*MIX, *TWO, *mesh)
+MESH8 = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+# the same two teachers, the second held whole on every device (`placement: replicated`)
+TWO_PLACED = ["teachers=[{name: arith, tasks: [arithmetic]}, {name: count, tasks: [counting], weight: 3, "
+              "placement: replicated}]"]
+
+
+@pytest.mark.parametrize("devices,mesh,teachers", [(1, ["mesh.data=1"], TWO), (8, MESH8, TWO), (8, MESH8, TWO_PLACED)],
+                         ids=["1dev", "8dev-fsdp", "8dev-replicated"])
+def test_routing_by_task_scores_each_row_with_its_own_teacher(devices, mesh, teachers):
+    """On 8 devices with either placement of the second teacher, against each teacher alone on one device."""
+    cfg = _cfg(*MIX, *teachers, *mesh)
     step = build_step(cfg, STUDENT, (T_A, T_B), M.make_mesh(cfg.mesh, jax.devices()[:devices]))
+    specs = [{tuple(sh.spec) for sh in jax.tree.leaves(t)} for t in step.shardings.teacher]
+    assert len(specs[0]) > 1  # fsdp: the trainer's rules split some leaves
+    assert (specs[1] == {()}) == (teachers is TWO_PLACED)  # replicated: every leaf whole on every device
     S = step.sampler.shards
     assert step.routing.mode == "task" and step.routing.shard_rows == (4 // S, 4 // S)
     # the host's order: within each shard's block of B/S rows, teacher 0's rows then teacher 1's
