@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,7 +37,8 @@ def _ids(ids: np.ndarray, k: int = 5) -> str:
 def align(evals: Sequence[EvalData], column: str = "divergence") -> tuple[np.ndarray, list[np.ndarray]]:
     """(sorted problem ids, each eval's `column` (divergence, or correct) in that order). Every eval must hold
     exactly the problems of the first: otherwise a ValueError says how many are missing from each side (never a
-    silent subset)."""
+    silent subset). For `divergence`, a problem left unscored (NaN) in any eval is left out of all of them, with a
+    warning naming the files and the count: a comparison pairs only problems both sides scored."""
     if not evals:
         raise ValueError("align: no evals given")
     ref = evals[0]
@@ -53,6 +55,13 @@ def align(evals: Sequence[EvalData], column: str = "divergence") -> tuple[np.nda
                 + (f" (ids {_ids(only_e)})" if len(only_e) else "")
                 + "; evaluate both runs on the same problems (same train.eval_problems)")
         out.append(getattr(e, column)[np.argsort(e.index)])
+    if column == "divergence":
+        scored = np.all([np.isfinite(a) for a in out], axis=0)
+        if not scored.all():
+            why = ", ".join(f"{e.unscored} in {e.path}" for e in evals if e.unscored)
+            warnings.warn(f"{int((~scored).sum())} of {len(ids)} problems left out of the comparison: their "
+                          f"divergence is NaN (unscored: {why})", stacklevel=2)
+            ids, out = ids[scored], [a[scored] for a in out]
     return ids, out
 
 

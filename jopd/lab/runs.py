@@ -123,13 +123,21 @@ def is_finished(run_dir: str | Path) -> bool:
 @dataclasses.dataclass(frozen=True)
 class EvalData:
     """One run's held-out eval: problem ids and per-problem teacher divergence (nats/token), file order; the
-    per-problem correctness (0/1) when read with `correctness=True`."""
+    per-problem correctness (0/1) when read with `correctness=True`. A divergence is NaN where the eval could not
+    score the response (a cross-tokenizer response the pair cannot align, e.g. a special token mid-text; the
+    eval's summary counts them as `misaligned`): `quality.align` leaves such problems out of every comparison,
+    saying how many."""
 
     path: Path
     index: np.ndarray  # [n] int problem ids, unique
     divergence: np.ndarray  # [n] float64
     correct: np.ndarray | None = None  # [n] float64 in {0, 1}
     task: np.ndarray | None = None  # [n] str: each problem's task, when the run mixes several (a `task` column)
+
+    @property
+    def unscored(self) -> int:
+        """Problems whose divergence is NaN (not scored)."""
+        return int(np.isnan(self.divergence).sum())
 
 
 def eval_path(run_dir: str | Path, name: str, suffix: str = ".csv") -> Path:
@@ -186,7 +194,7 @@ def read_eval(run_dir: str | Path, name: str = "after", *, correctness: bool = F
                     d = float(raw_d)
                 except ValueError:
                     raise ValueError(f"{path}:{line}: teacher_divergence {raw_d!r} is not a number") from None
-                if not math.isfinite(d):
+                if math.isinf(d):  # NaN is allowed: a response the eval could not score (see EvalData)
                     raise ValueError(f"{path}:{line}: teacher_divergence is {raw_d} for problem {i}")
                 index.append(i)
                 div.append(d)

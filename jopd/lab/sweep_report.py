@@ -35,7 +35,7 @@ def _run_record(sweep: SweepConfig, setup: str, seed: int, method: str | None = 
         raise ValueError(f"{d}/metrics.jsonl: no mismatch_kl logged (the sweep runs with train.mismatch=exact)")
     summary = read_eval_summary(d, sweep.quality.eval)
     return {"setup": setup, "seed": seed, "dir": str(d), "mismatch": mm, "eval": ev,
-            "divergence": float(np.mean(ev.divergence)), "accuracy": float(summary.get("accuracy", math.nan)),
+            "divergence": float(np.nanmean(ev.divergence)), "accuracy": float(summary.get("accuracy", math.nan)),
             "wall_s": wall_seconds(d), **{k: mean_metric(d, k) for k in RUN_METRICS}}
 
 
@@ -63,6 +63,13 @@ def missing_runs(sweep: SweepConfig, method: str | None = None) -> list[str]:
             if not is_finished(run_dir(sweep, s.name, k, method))]
 
 
+def _seed_aware(run_evals: list, base_evals: list, q) -> quality.SeedAwareVerdict:
+    """The seed-aware rule on the problems every eval of both sides scored (`quality.align`)."""
+    _, arrays = quality.align([*base_evals, *run_evals])
+    return quality.seed_aware_rule(arrays[len(base_evals):], arrays[:len(base_evals)], q.threshold, q.resamples,
+                                   q.seed)
+
+
 def analyze(sweep: SweepConfig, method: str | None = None) -> dict[str, Any]:
     """Every run's verdict (vs the baseline run with its seed, else the baseline's first seed), each setup's
     seed-aware verdict (vs all baseline seeds), the per-run and seed-aware brackets, the baseline spread.
@@ -77,8 +84,8 @@ def analyze(sweep: SweepConfig, method: str | None = None) -> dict[str, Any]:
                          f"finished baseline run yet, nothing to compare with")
     base = {s: _run_record(sweep, sweep.baseline.name, s, method) for s in base_seeds}
     first = base_seeds[0]
-    base_arrays = [quality.pair(b["eval"], base[first]["eval"])[1] for b in base.values()]
-    runs, setups, setup_arrays = [], [], {}
+    base_evals = [b["eval"] for b in base.values()]
+    runs, setups, setup_evals = [], [], {}
     for s in base_seeds[1:]:  # what the per-run rule says about seed noise alone
         ids, run_B, base_B = quality.pair(base[s]["eval"], base[first]["eval"])
         v = quality.quality_rule(run_B, base_B, q.threshold, q.resamples, q.seed)
@@ -88,16 +95,14 @@ def analyze(sweep: SweepConfig, method: str | None = None) -> dict[str, Any]:
         if not seeds:
             continue
         recs = [_run_record(sweep, setup.name, s, method) for s in seeds]
-        arrays = []
         for r in recs:
             b = base.get(r["seed"], base[first])
             _, run_B, base_B = quality.pair(r["eval"], b["eval"])
             v = quality.quality_rule(run_B, base_B, q.threshold, q.resamples, q.seed)
             runs.append(_row(r, v, paired_with=b["seed"]))
-            arrays.append(quality.pair(r["eval"], base[first]["eval"])[1])
-        sa = quality.seed_aware_rule(arrays, base_arrays, q.threshold, q.resamples, q.seed)
+        setup_evals[setup.name] = [r["eval"] for r in recs]
+        sa = _seed_aware(setup_evals[setup.name], base_evals, q)
         per_run = [x["verdict"] for x in runs if x["setup"] == setup.name]
-        setup_arrays[setup.name] = arrays
         setups.append({"setup": setup.name, "group": setup.group, "seeds": seeds,
                        "overrides": list(setup.overrides),
                        "wall_s": _total([r["wall_s"] for r in recs]),
@@ -112,8 +117,7 @@ def analyze(sweep: SweepConfig, method: str | None = None) -> dict[str, Any]:
     for row, setup in zip(setups, analyzed):  # a grouped setup against the same engine without the group
         twin = ungrouped_twin(setup, analyzed) if setup.group is not None else None
         if twin is not None:
-            v = quality.seed_aware_rule(setup_arrays[setup.name], setup_arrays[twin.name], q.threshold,
-                                        q.resamples, q.seed)
+            v = _seed_aware(setup_evals[setup.name], setup_evals[twin.name], q)
             row["vs_ungrouped"] = {"setup": twin.name, "rise": v.rise, "rise_ci_low": v.rise_ci_low,
                                    "rise_ci_high": v.rise_ci_high, "diff_mean": v.diff_mean, "ci_low": v.ci_low,
                                    "ci_high": v.ci_high}

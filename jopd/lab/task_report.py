@@ -46,10 +46,12 @@ def analyze_tasks(sweep: SweepConfig) -> dict[str, Any] | None:
         mine = base if setup is sweep.baseline else _per_task(sweep, setup.name, done)
         for task, seeds in mine.items():
             row = {"setup": setup.name, "task": task, "seeds": done, "n": len(seeds[0][0]),
-                   "divergence_per_seed": [float(d.mean()) for d, _ in seeds],
+                   "divergence_per_seed": [float(np.nanmean(d)) for d, _ in seeds],
                    "accuracy_per_seed": [float(c.mean()) for _, c in seeds]}
             if setup is not sweep.baseline:
-                sa = quality.seed_aware_rule([d for d, _ in seeds], [d for d, _ in base[task]], q.threshold,
+                runs, bases = [d for d, _ in seeds], [d for d, _ in base[task]]
+                scored = np.all([np.isfinite(d) for d in runs + bases], axis=0)  # NaN: unscored (EvalData)
+                sa = quality.seed_aware_rule([d[scored] for d in runs], [d[scored] for d in bases], q.threshold,
                                              q.resamples, q.seed)
                 row |= {"rise": sa.rise, "rise_ci_low": sa.rise_ci_low, "rise_ci_high": sa.rise_ci_high,
                         "verdict": sa.verdict}

@@ -112,6 +112,19 @@ def ev(index, values, path="x.csv"):
     return EvalData(Path(path), np.asarray(index), np.asarray(values, float))
 
 
+def test_pairing_leaves_out_problems_either_side_did_not_score():
+    base, run = problems(), problems() * 2
+    base[[3, 7]], run[[7, 11]] = np.nan, np.nan
+    with pytest.warns(UserWarning, match=r"3 of 530 problems left out.*2 in base.csv, 2 in run.csv"):
+        ids, r, b = q.pair(ev(np.arange(N), run, "run.csv"), ev(np.arange(N), base, "base.csv"))
+    np.testing.assert_array_equal(ids, np.setdiff1d(np.arange(N), [3, 7, 11]))
+    assert np.isfinite(r).all() and np.isfinite(b).all() and len(r) == len(b) == N - 3
+    ones = np.ones(N)
+    _, c_r, _ = q.pair(EvalData(Path("r"), np.arange(N), run, ones), EvalData(Path("b"), np.arange(N), base, ones),
+                       "correct")
+    assert len(c_r) == N  # correctness is kept for every problem
+
+
 def test_pairing_by_index_and_differing_problem_sets():
     base = problems()
     perm = np.random.default_rng(0).permutation(N)

@@ -33,7 +33,7 @@ def test_read_eval_reads_the_train_format(tmp_path):
     ("index,correct\n0,1\n", "header lacks column.*teacher_divergence"),
     (HEADER + "0,0.5,1,3,a\n1,abc,1,3,b\n", r"after.csv:3: teacher_divergence 'abc' is not a number"),
     (HEADER + "zero,0.5,1,3,a\n", r"after.csv:2: index 'zero' is not an integer"),
-    (HEADER + "0,nan,1,3,a\n", r"after.csv:2: teacher_divergence is nan"),
+    (HEADER + "0,inf,1,3,a\n", r"after.csv:2: teacher_divergence is inf"),
     (HEADER + "0,0.5,1,3,a\n0,0.6,1,3,b\n", "problem index 0 appears 2 times"),
     ("index,teacher_divergence\n0\n", r"after.csv:2: too few fields"),
 ])
@@ -42,6 +42,14 @@ def test_read_eval_errors_name_the_file(tmp_path, text, message):
     with pytest.raises(ValueError, match=message) as e:
         runs.read_eval(tmp_path, "after")
     assert str(tmp_path / "eval" / "after.csv") in str(e.value)
+
+
+def test_read_eval_keeps_unscored_problems_as_nan(tmp_path):
+    # a cross-tokenizer eval writes nan for a response the pair could not align: read, counted, not refused
+    write_csv(tmp_path / "eval" / "after.csv", HEADER + "0,0.5,1,3,a\n1,nan,0,32,b\n")
+    e = runs.read_eval(tmp_path, "after", correctness=True)
+    assert e.unscored == 1 and np.isnan(e.divergence[1])
+    np.testing.assert_array_equal(e.correct, [1, 0])
 
 
 def test_read_eval_missing_file_lists_what_exists(tmp_path):
