@@ -436,17 +436,23 @@ def test_cross_tokenizer_pair_from_config_json_alone_sizes_with_a_stand_in_table
         aot.compile_opd_step(load_config(None, base), stages=["teacher_scoring"], progress=False)
 
 
+def _two_teachers(first: tuple[str, str], second: tuple[str, str], width: int, *overrides: str):
+    """A tiny run mixing arithmetic and counting, each routed to its own teacher: (name, extra YAML fields)."""
+    arch = f"arch: {{num_layers: 1, hidden_size: {width}, intermediate_size: {2 * width}}}"
+    (a, a_extra), (b, b_extra) = first, second
+    teachers = (f"teachers=[{{name: {a}, tasks: [arithmetic], {arch}{a_extra}}}, "
+                f"{{name: {b}, tasks: [counting], {arch}{b_extra}}}]")
+    return load_config(None, [*TINY[:5], "data.batch_size=16", "data.mix={arithmetic: 1, counting: 1}", teachers,
+                              *overrides])
+
+
 def test_each_teacher_is_sized_by_its_placement():
     """Two teachers on 8 fsdp devices, the second `placement: replicated`: its bytes per device are its whole
     size, the first's its FSDP shard (both from the shapes and shardings, independently of XLA)."""
     from jopd import parallel as meshlib
     from jopd.models import transformer
 
-    arch = "arch: {num_layers: 1, hidden_size: 32, intermediate_size: 64}"
-    teachers = (f"teachers=[{{name: a, tasks: [arithmetic], {arch}}}, "
-                f"{{name: b, tasks: [counting], {arch}, placement: replicated}}]")
-    cfg = load_config(None, [*TINY[:5], "data.batch_size=16", "data.mix={arithmetic: 1, counting: 1}", teachers,
-                             "mesh.data=1", "mesh.fsdp=8"])
+    cfg = _two_teachers(("a", ""), ("b", ", placement: replicated"), 32, "mesh.data=1", "mesh.fsdp=8")
     report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
     t_cfg = aot.model_config_of(cfg.teachers[0], "teachers[0]")
     shapes = transformer.abstract_params(t_cfg)
@@ -464,11 +470,8 @@ def test_each_teacher_is_sized_by_its_placement():
 def test_a_teacher_with_another_tokenizer_among_several_holds_the_only_projection_table():
     """A toy-vocabulary teacher beside one with SmolLM2's tokenizer (routed by task): one projection table (the
     cross teacher's, as if it were alone), the teachers' rows' span arrays, both teachers' params."""
-    arch = "arch: {num_layers: 1, hidden_size: 16, intermediate_size: 32}"
-    teachers = (f"teachers=[{{name: same, tasks: [arithmetic], {arch}}}, "
-                f"{{name: smol, tasks: [counting], {arch}, tokenizer: '{io.smollm2_gguf_path()}'}}]")
-    cfg = load_config(None, [*TINY[:5], "data.batch_size=16", "data.mix={arithmetic: 1, counting: 1}", teachers,
-                             "loss.cross_tokenizer=dense", "mesh.data=8"])
+    cfg = _two_teachers(("same", ""), ("smol", f", tokenizer: '{io.smollm2_gguf_path()}'"), 16,
+                        "loss.cross_tokenizer=dense", "mesh.data=8")
     report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
     assert report.models["smol"]["vocab"] == 49152 and report.models["same"]["vocab"] == 103
     name, E = report.shapes["xtok_pairs"].split(": ")
