@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jopd.models.transformer import logits_at_ids, logits_from_hidden
+from jopd.parallel.vocab_projection import vocab_sharded_head, vocab_sharded_logits
 
 ChunkFn = Callable[[jax.Array, Mapping[str, jax.Array]], dict[str, jax.Array]]
 
@@ -31,6 +32,7 @@ def chunked_logits_map(
     dtype=jnp.float32,
     remat: bool = True,
     support_ids_key: str | None = None,
+    vocab_split: bool = False,
 ) -> dict[str, jax.Array]:
     """`fn(logits_BxCxV, inputs_chunk) -> {name: [B, C, ...]}` over T-chunks of C positions; returns [B, T, ...].
 
@@ -43,19 +45,33 @@ def chunked_logits_map(
     whose gradient only needs K logits per position (the truncated reverse KL: its renormalization on the
     support cancels the full-vocabulary logsumexp), the backward pass then skips the [B, C, V] softmax and
     the two V-wide matmuls (the head gradient and the hidden-state gradient through it).
+
+    `vocab_split`: on a mesh, the head that projects the full logits is laid out with V split over every axis
+    once, outside the loop, and each chunk projected on V-slices (`parallel.vocab_projection`): no chip holds the
+    whole head, nor (for a differentiated projection) its whole gradient, which the head's train layout (D over
+    fsdp) would otherwise gather in full. With `support_ids_key`, the support logits still come from the head as
+    laid out (a gather of K rows).
     """
-    def per_chunk(p, inp):
+    def project(p, h_BxCxD):
+        if vocab_split:
+            return vocab_sharded_logits(p, h_BxCxD, dtype=dtype)
+        return logits_from_hidden(p, h_BxCxD, dtype=dtype, logits_dtype=jnp.float32)
+
+    def per_chunk(heads, inp):
+        head, full_head = heads
         h_BxCxD = inp.pop("_hidden")
         if support_ids_key is None:
-            return fn(logits_from_hidden(p, h_BxCxD, dtype=dtype, logits_dtype=jnp.float32), inp)
-        logits = logits_from_hidden(jax.lax.stop_gradient(p), jax.lax.stop_gradient(h_BxCxD), dtype=dtype,
-                                    logits_dtype=jnp.float32)
-        support = logits_at_ids(p, h_BxCxD, inp[support_ids_key], dtype=dtype, logits_dtype=jnp.float32)
+            return fn(project(full_head, h_BxCxD), inp)
+        logits = project(jax.lax.stop_gradient(full_head), jax.lax.stop_gradient(h_BxCxD))
+        support = logits_at_ids(head, h_BxCxD, inp[support_ids_key], dtype=dtype, logits_dtype=jnp.float32)
         return fn(logits, dict(inp, support_logits=support))
 
     head = head_params(params)
-    return chunked_map(lambda inp: per_chunk(head, dict(inp)), dict(inputs, _hidden=hidden_BxTxD), chunk,
-                       remat=remat)
+    full_head = head
+    if vocab_split:
+        full_head = vocab_sharded_head(head if support_ids_key is None else jax.lax.stop_gradient(head))
+    return chunked_map(lambda inp: per_chunk((head, full_head), dict(inp)), dict(inputs, _hidden=hidden_BxTxD),
+                       chunk, remat=remat)
 
 
 def chunked_map(fn: Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]], inputs: Mapping[str, jax.Array],

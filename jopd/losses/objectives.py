@@ -254,7 +254,8 @@ def token_loss(
         chunk = compact_chunk(chunk, batch.targets_BxT.shape[0], B, T)
     terms = chunked_logits_map(functools.partial(_chunk_terms, cfg, teacher_head), student_params, hidden_BxTxD,
                                _chunk_inputs(cfg, batch), chunk, dtype=dtype, remat=True,
-                               support_ids_key=OBJECTIVES[cfg.kind].support_ids)
+                               support_ids_key=OBJECTIVES[cfg.kind].support_ids,
+                               vocab_split=True)  # on a mesh, no chip gathers the student's whole head
     batch, terms = _padded(cfg, batch, terms)
     return _reduce(cfg, terms, batch)
 

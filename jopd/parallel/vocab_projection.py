@@ -36,14 +36,15 @@ def vocab_axes(vocab: int) -> tuple[str, ...]:
 
 
 def vocab_sharded_head(head: Mapping[str, jax.Array]) -> dict[str, Float[Array, "D V"]]:
-    """`{"lm_head": [D, V]}` with V split over `vocab_axes(V)` (a tied `{"embed": [V, D]}` head transposed once)."""
+    """`{"lm_head": [D, V]}` with V split over `vocab_axes(V)` (a tied `{"embed": [V, D]}` head transposed once);
+    the head unchanged where there is nothing to split over."""
     head_DxV = lm_head_DxV(head)
     axes = vocab_axes(head_DxV.shape[1])
+    if not axes:  # no split: the head as given (a tied one is not copied transposed)
+        return dict(head)
     if "fsdp" in axes:  # the train rules' D over fsdp: V split over the other axes first (a slice, no traffic)
         head_DxV = jax.lax.with_sharding_constraint(head_DxV, P("fsdp", tuple(a for a in axes if a != "fsdp")))
-    if axes:
-        head_DxV = jax.lax.with_sharding_constraint(head_DxV, P(None, axes))
-    return {"lm_head": head_DxV}
+    return {"lm_head": jax.lax.with_sharding_constraint(head_DxV, P(None, axes))}
 
 
 def vocab_sharded_logits(head: Mapping[str, jax.Array], hidden_BxCxD: Float[Array, "B C D"], *, dtype=jnp.float32
