@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     for w in q.check_comparable(run_dirs, base_dirs, args.eval_name):
         print(f"jopd compare: warning: {w}", file=sys.stderr)
     evals = [read_eval(d, args.eval_name) for d in [args.base_dir, *args.base_also, args.run_dir, *args.run_also]]
-    _, aligned = q.align(evals)  # every run against the base's problem set: errors say how many are missing
+    ids, aligned = q.align(evals)  # every run against the base's problem set: errors say how many are missing
     bases, runs = aligned[:len(base_dirs)], aligned[len(base_dirs):]
     v = q.quality_rule(runs[0], bases[0], args.threshold, args.resamples, args.seed)
     mm_run, mm_base = mean_mismatch(args.run_dir), mean_mismatch(args.base_dir)
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         verdict = s.verdict
     base_tasks = evals[0].task
     if base_tasks is not None:  # a mix of tasks: the rule on each task's problems too
-        tasks = base_tasks[np.argsort(evals[0].index)]
+        tasks = base_tasks[np.argsort(evals[0].index)][np.isin(np.sort(evals[0].index), ids)]  # scored ones
         result["per_task"] = {}
         print()
         print("per task (the rule on each task's problems; the verdict above is the whole set's):")

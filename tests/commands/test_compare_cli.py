@@ -166,3 +166,22 @@ def test_rl_bad_input_exit_2(tmp_path, capsys):
     assert compare("--rl", grpo, make_rl_run(tmp_path, "g4", ok)) == 2
     # without --rl the same directories still get the quality rule (teacher divergence equal: PASS)
     assert compare(make_rl_run(tmp_path, "q1", ok), make_rl_run(tmp_path, "q2", ok)) == 0
+
+
+def test_unscored_problems_are_left_out_of_the_whole_set_and_each_task(tmp_path, capsys):
+    """A cross-tokenizer eval writes NaN for a response it could not align: compare pairs the rest, per task too."""
+    tasks = ["arithmetic" if i % 2 else "counting" for i in range(N)]
+    dirs = {}
+    for name, factor, seed in (("base", 1.0, 1), ("run", 1.3, 2)):
+        div = DIFFICULTY * factor * (1 + 0.05 * np.random.default_rng(seed).standard_normal(N))
+        if name == "run":
+            div[[1, 2, 3]] = np.nan  # one arithmetic, then counting, then arithmetic
+        dirs[name] = tmp_path / name
+        EvalResult(np.arange(N), div, np.zeros(N, bool), np.full(N, 7), ["x"] * N, tasks).save(
+            dirs[name] / "eval", "after")
+    out = tmp_path / "cmp.json"
+    with pytest.warns(UserWarning, match="3 of 530 problems left out"):
+        assert compare(dirs["run"], dirs["base"], "--json", out) == 1
+    r = json.loads(out.read_text())
+    assert r["n"] == N - 3
+    assert r["per_task"]["arithmetic"]["n"] == N // 2 - 2 and r["per_task"]["counting"]["n"] == N // 2 - 1
