@@ -165,7 +165,6 @@ class RunConfig:
     def __post_init__(self):
         if self.teachers:
             _check_teachers(self)
-        _check_testbed_context(self)
 
     def teacher_sources(self) -> tuple[TeacherSource, ...]:
         """The run's teachers: `teachers`, or `teacher` alone (named "teacher")."""
@@ -173,20 +172,6 @@ class RunConfig:
             return self.teachers
         return (TeacherSource(**{f.name: getattr(self.teacher, f.name) for f in dataclasses.fields(ModelSource)},
                               name="teacher"),)
-
-
-def _check_testbed_context(cfg: RunConfig) -> None:
-    """A testbed model (built from `arch`) whose context cannot hold the longest prompt plus the longest answer is
-    refused here, before its SFT runs (the sampler would refuse the first long prompt after it)."""
-    new = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens)
-    need = cfg.data.max_prompt_len + new
-    sources = [("student", cfg.student)] + [(f"teachers[{i}]" if cfg.teachers else "teacher", t)
-                                            for i, t in enumerate(cfg.teacher_sources())]
-    for role, src in sources:
-        if src.path is None and src.arch.max_position_embeddings < need:
-            raise ConfigError(f"{role}.arch.max_position_embeddings: {src.arch.max_position_embeddings} < "
-                              f"data.max_prompt_len + max(sampling.max_new_tokens, train.eval_max_new_tokens) = "
-                              f"{cfg.data.max_prompt_len} + {new} = {need}")
 
 
 def _check_teachers(cfg: RunConfig) -> None:

@@ -110,9 +110,6 @@ def test_one_step_run_succeeds_or_fails_in_one_line(base, data):
      "bad.jsonl:2: not valid JSON"),
     (["train.out_dir={tmp}/afile/sub"], "RunConfig.train.out_dir: "),
     (["checkpoint.dir={tmp}/afile/ck"], "CheckpointConfig.dir: "),
-    (["teacher.arch.max_position_embeddings=40", "student.arch.max_position_embeddings=400"],
-     "RunConfig.teacher.arch.max_position_embeddings: 40 < data.max_prompt_len + max(sampling.max_new_tokens, "
-     "train.eval_max_new_tokens) ="),
     (["data.max_prompt_len=8"], "arithmetic train #0 (question): 37 tokens after chat formatting > DataConfig.max_prompt_len=8"),
 ])
 def test_named_bad_inputs_fail_in_one_line(base, overrides, named):
