@@ -53,15 +53,28 @@ def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_READERS: dict[tuple[str, int, int], gguf.GGUFReader] = {}
+
+
+def _reader(path: Path) -> gguf.GGUFReader:
+    """The file's reader, parsed once per file version per process (seconds for SmolLM2's 49152-token vocabulary
+    metadata); it maps the file read-only, so callers can share it."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _READERS:
+        try:
+            _READERS[key] = gguf.GGUFReader(str(path))
+        except Exception as e:  # the reader raises ValueError/struct errors on a corrupt header
+            raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    return _READERS[key]
+
+
 class GGUFSource:
     """Tensors of one GGUF file under their HF names, dequantized to float32 one whole tensor at a time."""
 
     def __init__(self, path: Path):
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the reader raises ValueError/struct errors on a corrupt header
-            raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+        self.reader = _reader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.config_where = f"{path} (GGUF metadata)"
         self.cfg = self._config()

@@ -8,6 +8,7 @@ for the slices its devices own, so a large checkpoint never has to fit in one ho
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -165,7 +166,7 @@ def load_tokenizer(path: str | os.PathLike):
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory (expected an HF model directory or a .gguf file)")
     if p.is_file() and is_gguf(p):
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return _gguf_tokenizer(p)
     if p.is_dir():
         known = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if not any((p / f).is_file() for f in known):
@@ -178,6 +179,22 @@ def load_tokenizer(path: str | os.PathLike):
             return PreTrainedTokenizerFast.from_pretrained(str(p))
         return AutoTokenizer.from_pretrained(str(p))
     raise ValueError(f"{p}: not a tokenizer source (expected an HF model directory or a .gguf file)")
+
+
+_GGUF_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
+
+
+def _gguf_tokenizer(p: Path):
+    """Building a tokenizer from a GGUF file parses the whole file (6-10 s for SmolLM2 on 2 cores), and a run
+    asks for its teachers' tokenizers more than once: one build per file version per process, and a copy to
+    each caller (a caller may change its own, e.g. its padding side)."""
+    from transformers import AutoTokenizer
+
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _GGUF_TOKENIZERS:
+        _GGUF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return copy.deepcopy(_GGUF_TOKENIZERS[key])
 
 
 def _tokenizer_class(model_dir: Path) -> str | None:

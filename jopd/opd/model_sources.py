@@ -163,6 +163,24 @@ def precheck_sources(cfg: RunConfig) -> None:
                 check_compatible(cfgs["student"], cfgs[role], None, None, role)
                 check_compatible(cfgs["student"], cfgs[role], run_tokenizer(cfg),
                                  _own_tokenizer(dict(roles)[role]) or teacher_tokenizer(cfg), role)
+    _check_contexts(cfg, roles, cfgs)
+
+
+def _check_contexts(cfg: RunConfig, roles: list[tuple[str, ModelSource]], loaded: dict[str, ModelConfig]) -> None:
+    """Each model that counts the student's tokens must hold the longest prompt plus the longest answer, checked
+    before a teacher's SFT warm start (an hour for the long testbed task) rather than at the first long prompt.
+    A teacher with another tokenizer counts other tokens and is not checked here."""
+    answer = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens)
+    need = cfg.data.max_prompt_len + answer
+    same_tokens = roles if cfg.loss.cross_tokenizer == "off" else []
+    for role, src in same_tokens + [("student", cfg.student)]:
+        context = loaded[role].max_position_embeddings if role in loaded else (
+            None if src.path is not None else src.arch.max_position_embeddings)
+        if context is not None and need > context:
+            where = f"{role}.path" if src.path is not None else f"{role}.arch.max_position_embeddings"
+            raise ValueError(f"RunConfig.{where}: a context of {context} tokens cannot hold data.max_prompt_len "
+                             f"{cfg.data.max_prompt_len} + the longest answer {answer} (sampling.max_new_tokens, "
+                             f"train.eval_max_new_tokens) = {need}")
 
 
 def check_compatible(student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_tok, teacher_tok,

@@ -40,6 +40,16 @@ CHIP_PEAKS: dict[str, ChipPeak] = {
 F32_PASSES: dict[str, int] = {"DEFAULT": 1, "HIGH": 3, "HIGHEST": 6}
 
 
+def program_loops(hlo_text: str) -> int:
+    """The while loops of a compiled program that its own code holds (scan, fori, while), not those XLA:CPU's loop
+    emitters make of a single scatter (a TPU scatters natively; a CPU compile of the same step expands it)."""
+    loops = 0
+    for line in re.findall(r"^.*\swhile\(.*$", hlo_text, re.M):
+        op = re.search(r'op_name="([^"]*)"', line)
+        loops += not (op and op.group(1).rsplit("/", 1)[-1].startswith("scatter"))
+    return loops
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """One compiled program, per device: XLA's FLOPs and bytes accessed, the MXU's extra bf16 passes for fp32
@@ -57,7 +67,7 @@ class Cost:
         extra = 0.0
         if lowered_text is not None:  # global (unpartitioned) shapes: the matmuls split evenly over the devices
             extra = sum((p - 1) * f for p, f in dot_flops_by_passes(lowered_text).items()) / num_devices
-        loops = len(re.findall(r"\swhile\(", compiled.as_text()))
+        loops = program_loops(compiled.as_text())
         return cls(float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0)), extra, loops)
 
     def minus(self, other: "Cost", scale: float = 1.0) -> "Cost":

@@ -1,12 +1,15 @@
 """XLA:CPU flags the test suite compiles with (set by tests/conftest.py; the suite's subprocesses that set their own
 XLA_FLAGS add them too, so a subprocess and its parent test compute with the same code).
 
-The suite compiles many small programs once each, and on 2 cores LLVM's optimization passes cost more than
-running them. Tests check what XLA computes (its HLO, fusions and float semantics: LLVM without fast-math does
-not reorder float arithmetic), so the checks hold at any LLVM optimization level; runs outside the tests keep
-XLA's defaults."""
+The suite compiles many small programs once each, and on 2 cores compiling costs more than running them: most
+of a typical test's time is XLA's backend compile. LLVM's optimization passes are off, and fusions are emitted
+by XLA:CPU's older loop emitters instead of its MLIR fusion emitters (jaxlib 0.10: about half the compile time
+of the packing tests). Tests check what XLA computes (its HLO, fusions and float semantics: LLVM without fast-math
+does not reorder float arithmetic, and either emitter computes the same fused HLO), so the checks hold under
+either setting; runs outside the tests keep XLA's defaults."""
 
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
 
 
 def with_fast_compile(xla_flags: str) -> str:

@@ -15,6 +15,7 @@ from jopd import cli
 from jopd.commands import generate as G
 from jopd.data.chat import user_prompt_ids
 from jopd.models import io
+from jopd.models.gguf_io import GGUFSource
 from jopd.models import transformer as T
 from tests.helpers.bf16_tolerance import bf16_rel_rms_tolerance, rel_rms
 
@@ -113,3 +114,17 @@ def test_generate_command_on_default_model(monkeypatch, capsys, jopd_model, toke
     assert cli.main(["generate", "--prompt", PROMPT, "--max-new-tokens", str(N_NEW)]) == 0
     assert seen == [gguf_path, gguf_path]
     assert capsys.readouterr().out.strip() == tokenizer.decode(hf_greedy, skip_special_tokens=True).strip()
+
+
+def test_the_gguf_tokenizer_and_reader_are_parsed_once_and_handed_out_as_copies(gguf_path, tokenizer):
+    """A process parses a GGUF file once (its tokenizer takes seconds to build): a second load is a copy equal to
+    transformers' own build, and a caller's change to its copy does not reach the next caller."""
+    again = io.load_tokenizer(gguf_path)
+    assert again is not tokenizer
+    fresh = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                                       gguf_file=os.path.basename(gguf_path))
+    assert again.get_vocab() == fresh.get_vocab() and again.chat_template == fresh.chat_template
+    assert again(PROMPT)["input_ids"] == fresh(PROMPT)["input_ids"]
+    again.padding_side = "left" if tokenizer.padding_side == "right" else "right"
+    assert io.load_tokenizer(gguf_path).padding_side == tokenizer.padding_side != again.padding_side
+    assert GGUFSource(gguf_path).reader is GGUFSource(gguf_path).reader

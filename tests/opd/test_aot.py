@@ -265,6 +265,19 @@ def test_cost_of_matmul_programs_by_hand():
     # (+ the loop counter's few integer ops)
 
 
+def test_a_programs_own_loops_are_counted_and_a_cpu_scatter_expansion_is_not():
+    """XLA:CPU's loop emitters (the suite's compile flags) turn a scatter into a while loop: not a loop of the
+    program's (a TPU scatters natively), so the roofline does not count it; a scan is one."""
+    from jopd.opd.roofline import program_loops
+
+    x, idx = jnp.zeros((16, 4)), jnp.array([1, 3, 3, 7])
+    scatter = jax.jit(lambda x, i: x.at[i].add(1.0)).lower(x, idx).compile().as_text()
+    scan = jax.jit(lambda x: jax.lax.scan(lambda c, r: (c + r, c), x[0], x)[0]).lower(x).compile().as_text()
+    both = jax.jit(lambda x, i: jax.lax.scan(lambda c, r: (c + r, c), x[0], x.at[i].add(1.0))[0]
+                   ).lower(x, idx).compile().as_text()
+    assert (program_loops(scatter), program_loops(scan), program_loops(both)) == (0, 1, 1)
+
+
 def test_roofline_arithmetic_by_hand():
     """Stage time = sum over its programs of runs x max(compute, HBM); step = sum of stages; tokens/s per chip and
     MFU from those, on made-up costs with round numbers."""

@@ -110,6 +110,9 @@ def test_one_step_run_succeeds_or_fails_in_one_line(base, data):
      "bad.jsonl:2: not valid JSON"),
     (["train.out_dir={tmp}/afile/sub"], "RunConfig.train.out_dir: "),
     (["checkpoint.dir={tmp}/afile/ck"], "CheckpointConfig.dir: "),
+    (["student.arch.max_position_embeddings=64"],
+     "RunConfig.student.arch.max_position_embeddings: a context of 64 tokens cannot hold data.max_prompt_len"),
+    (["teacher.arch.max_position_embeddings=64"], "RunConfig.teacher.arch.max_position_embeddings: a context of 64"),
     (["data.max_prompt_len=8"], "arithmetic train #0 (question): 37 tokens after chat formatting > DataConfig.max_prompt_len=8"),
 ])
 def test_named_bad_inputs_fail_in_one_line(base, overrides, named):
