@@ -101,14 +101,12 @@ def cache(tmp_path_factory):
 
 @pytest.mark.slow
 def test_tiny_grpo_run_raises_the_training_reward(cache):
-    """16 prompts x 8 samples, 2 inner updates per batch, 60 steps: the mean training reward of the second half
-    beats the first 10 steps' by a margin well above the step-to-step noise (the student starts near 15%; about
-    +0.09 here). The comparison uses the whole second half, not the last few steps: the reward wanders by a few
-    points between windows. The cosine decay spans 200 updates (a 100-step run's), so the learning rate stays
-    high over the 120 updates run."""
+    """16 prompts x 8 samples, 2 inner updates per batch, 100 steps: the mean training reward of the second half
+    beats the first 10 steps' by a margin well above the step-to-step noise (the student starts near 15%). The
+    comparison uses the whole second half, not the last few steps: the reward wanders by a few points between
+    windows."""
     cfg = load_config(None, LEARNER + ["loss.kind=grpo", "data.batch_size=16", "rl.group_size=8",
-                                       "rl.inner_updates=2", "optim.learning_rate=3e-3", "optim.decay_steps=200",
-                                       "train.steps=60",
+                                       "rl.inner_updates=2", "optim.learning_rate=3e-3", "train.steps=100",
                                        f"train.cache_dir={cache}"])
     tok = model_sources.run_tokenizer(cfg)
     (s_cfg, student, _), (t_cfg, teacher, _) = (model_sources.get_model(r, getattr(cfg, r), cfg, tok)
@@ -122,7 +120,7 @@ def test_tiny_grpo_run_raises_the_training_reward(cache):
         with jax.set_mesh(step.mesh):
             state, metrics, rollout = step(state, teacher, next(it), n)
         rewards.append(float(np.mean(jax.device_get(rollout.rewards_B))))
-    first, last = np.mean(rewards[:10]), np.mean(rewards[30:])
+    first, last = np.mean(rewards[:10]), np.mean(rewards[50:])
     assert 0.02 < first < 0.5, first  # the task is learnable from here: rewards > 0, not saturated
     assert last > first + 0.05, (first, last)
     assert np.isfinite(float(metrics["entropy"])) and 0 <= float(metrics["clip_frac"]) < 1
