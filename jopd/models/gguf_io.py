@@ -56,11 +56,16 @@ def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 _READERS: dict[tuple[str, int, int], gguf.GGUFReader] = {}
 
 
+def file_version(path: Path) -> tuple[str, int, int]:
+    """A key that changes when the file at `path` is replaced or rewritten: (resolved path, size, mtime in ns)."""
+    st = Path(path).stat()
+    return str(Path(path).resolve()), st.st_size, st.st_mtime_ns
+
+
 def _reader(path: Path) -> gguf.GGUFReader:
     """The file's reader, parsed once per file version per process (seconds for SmolLM2's 49152-token vocabulary
     metadata); it maps the file read-only, so callers can share it."""
-    st = Path(path).stat()
-    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    key = file_version(path)
     if key not in _READERS:
         try:
             _READERS[key] = gguf.GGUFReader(str(path))

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jopd.models.config import ModelConfig
-from jopd.models.gguf_io import GGUFSource
+from jopd.models.gguf_io import GGUFSource, file_version
 from jopd.models.hf_io import SafetensorsSource, read_hf_config, save_hf
 from jopd.models.hf_layout import TensorView, hf_views, normalize_index
 from jopd.models.transformer import Params
@@ -190,8 +190,7 @@ def _gguf_tokenizer(p: Path):
     each caller (a caller may change its own, e.g. its padding side)."""
     from transformers import AutoTokenizer
 
-    st = p.stat()
-    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    key = file_version(p)
     if key not in _GGUF_TOKENIZERS:
         _GGUF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return copy.deepcopy(_GGUF_TOKENIZERS[key])
