@@ -149,3 +149,22 @@ def test_only_runs_with_the_same_student_teacher_and_eval_share_the_before_eval(
     assert key() != key("teacher.arch.num_layers=3")  # another teacher judges the starting student
     assert key() != key("loss.cross_tokenizer=sampled")  # scored per character by another tokenizer's teacher
     assert key() != key("train.eval_problems=7")
+
+
+def test_contrast_plot_draws_one_panel_per_rule_present(tmp_path):
+    """A sweep of quality-rule methods only (e.g. two horizons) gets no empty RL panel: the PNG is half as wide."""
+    from matplotlib.image import imread
+
+    from jopd.lab import sweep_report
+
+    def row(method, rule, setup, mismatch, effect, verdict):
+        return {"method": method, "rule": rule, "setup": setup, "mismatch": mismatch, "verdicts": [verdict],
+                "bad": int(verdict in ("FAIL", "BROKE")), "n": 1, "effect_per_seed": [effect], "effect_mean": effect}
+
+    quality_only = {"rows": [row("short", "quality", "noise_2", 0.5, 0.1, "PASS"),
+                             row("long", "quality", "noise_2", 0.6, 0.4, "FAIL")]}
+    both = {"rows": quality_only["rows"] + [row("grpo", "broke", "noise_2", 0.5, -0.02, "OK")]}
+    sweep_report.plot_contrast(quality_only, tmp_path / "one.png")
+    sweep_report.plot_contrast(both, tmp_path / "two.png")
+    width_one, width_two = imread(tmp_path / "one.png").shape[1], imread(tmp_path / "two.png").shape[1]
+    assert width_two == 2 * width_one
