@@ -79,11 +79,16 @@ def run(args: argparse.Namespace) -> int:
         c = sweep_report.contrast(results)
         c["gaps"] = studies.method_gaps(sweep)  # quality-rule methods only (e.g. two horizons); else []
         (out / "contrast.json").write_text(json.dumps(c, indent=2, default=float) + "\n")
-        sweep_report.plot_contrast(c, out / "contrast.png")
-        print(sweep_report.contrast_table(c))
+        pngs = ["contrast.png"] if c["rows"] else []
+        if c["rows"]:
+            sweep_report.plot_contrast(c, out / "contrast.png")
+            print(sweep_report.contrast_table(c))
+        if sweep_report.plot_baseline_curves(results, out / "baseline_curves.png"):
+            pngs.append("baseline_curves.png")
         if c["gaps"]:
             print(studies.gaps_table(c["gaps"]))
-        print(f"wrote {out}/contrast.json, contrast.png and per-method tables ({time.perf_counter() - t0:.0f} s)")
+        print(f"wrote {out}/contrast.json, {', '.join(pngs + ['per-method tables'])} "
+              f"({time.perf_counter() - t0:.0f} s)")
         return 0
     result = sweep_report.analyze(sweep)
     sweep_report.write_tables(result, out)

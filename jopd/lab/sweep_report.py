@@ -475,6 +475,8 @@ def plot_contrast(c: dict[str, Any], path: Path) -> None:
                     key=lambda n: next(r["mismatch"] for r in c["rows"] if r["setup"] == n))
     labels = {"quality": "rise of held-out teacher divergence (%)", "broke": "change of held-out accuracy (points)"}
     rules = [rule for rule in labels if any(r["rule"] == rule for r in c["rows"])]  # one panel per rule present
+    if not rules:  # baseline runs only (e.g. tuning on the standard engine): nothing to contrast
+        return
     fig, axes = plt.subplots(1, len(rules), figsize=(5.5 * len(rules), 4.2), squeeze=False)
     for ax, rule in zip(axes[0], rules):
         label = labels[rule]
@@ -496,7 +498,8 @@ def plot_contrast(c: dict[str, Any], path: Path) -> None:
                                            for n in setups], fontsize=8)
         ax.set_xlabel("rollout setup (mean mismatch, nats/token)")
         ax.set_ylabel(label, fontsize=9)
-        ax.legend(fontsize=8)
+        if mine:
+            ax.legend(fontsize=8)
     title = {("quality",): "methods judged by the quality rule (X: failed)",
              ("broke",): "methods judged by the broke rule (X: broke)"}.get(
         tuple(rules), "the same rollout mismatch under OPD and under RL (X: failed / broke)")
@@ -504,3 +507,34 @@ def plot_contrast(c: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_baseline_curves(results: dict[str, dict[str, Any]], path: Path, gain: float = 0.05) -> bool:
+    """Held-out accuracy along each broke-rule method's standard-engine runs (one line per method and seed), with
+    the before-training accuracy + `gain` dashed: where RL learns, before any mismatched run. False (nothing
+    drawn) when no such run evaluated along the way."""
+    curves = [(m, seed, curve) for m, res in results.items() if res["rule"] == "broke"
+              for seed, curve in zip(res["baseline"]["seeds"], res["baseline"].get("accuracy_curve_per_seed", []))
+              if len(curve) > 1]
+    if not curves:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(m for m, _, _ in curves))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for m, seed, curve in curves:
+        steps, acc = zip(*curve)
+        ax.plot(steps, [a * 100 for a in acc], marker="o", ms=3, color=f"C{methods.index(m) % 10}",
+                ls="-" if seed == curves[0][1] else ":", label=f"{m} (seed {seed})")
+    start = curves[0][2][0][1]
+    ax.axhline((start + gain) * 100, color="0.4", ls="--", lw=1, label=f"before + {gain:.0%} points")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title("RL on the standard engine: held-out accuracy along the run", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -168,3 +168,17 @@ def test_contrast_plot_draws_one_panel_per_rule_present(tmp_path):
     sweep_report.plot_contrast(both, tmp_path / "two.png")
     width_one, width_two = imread(tmp_path / "one.png").shape[1], imread(tmp_path / "two.png").shape[1]
     assert width_two == 2 * width_one
+
+
+def test_baseline_curves_are_drawn_only_for_rl_runs_evaluated_along_the_way(tmp_path):
+    from jopd.lab import sweep_report
+
+    def rl(curves):
+        return {"rule": "broke", "baseline": {"seeds": list(range(len(curves))), "accuracy_curve_per_seed": curves}}
+
+    along = {"reinforce": rl([[(0, 0.045), (150, 0.081), (300, 0.062)]]), "opd": {"rule": "quality", "baseline": {}}}
+    assert sweep_report.plot_baseline_curves(along, tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 10_000
+    end_only = {"reinforce": rl([[(0, 0.045)]])}
+    assert not sweep_report.plot_baseline_curves(end_only, tmp_path / "b.png")
+    assert not (tmp_path / "b.png").exists()
