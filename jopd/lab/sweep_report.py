@@ -510,9 +510,9 @@ def plot_contrast(c: dict[str, Any], path: Path) -> None:
 
 
 def plot_baseline_curves(results: dict[str, dict[str, Any]], path: Path, gain: float = 0.05) -> bool:
-    """Held-out accuracy along each broke-rule method's standard-engine runs (one line per method and seed), with
-    the before-training accuracy + `gain` dashed: where RL learns, before any mismatched run. False (nothing
-    drawn) when no such run evaluated along the way."""
+    """Change of held-out accuracy along each broke-rule method's standard-engine runs (one line per method and
+    seed; runs may start from different students), with +`gain` dashed: where RL learns, before any mismatched
+    run. False (nothing drawn) when no such run evaluated along the way."""
     curves = [(m, seed, curve) for m, res in results.items() if res["rule"] == "broke"
               for seed, curve in zip(res["baseline"]["seeds"], res["baseline"].get("accuracy_curve_per_seed", []))
               if len(curve) > 1]
@@ -523,17 +523,18 @@ def plot_baseline_curves(results: dict[str, dict[str, Any]], path: Path, gain: f
     import matplotlib.pyplot as plt
 
     methods = list(dict.fromkeys(m for m, _, _ in curves))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(12, 4.8))
     for m, seed, curve in curves:
         steps, acc = zip(*curve)
-        ax.plot(steps, [a * 100 for a in acc], marker="o", ms=3, color=f"C{methods.index(m) % 10}",
-                ls="-" if seed == curves[0][1] else ":", label=f"{m} (seed {seed})")
-    start = curves[0][2][0][1]
-    ax.axhline((start + gain) * 100, color="0.4", ls="--", lw=1, label=f"before + {gain:.0%} points")
+        ax.plot(steps, [(a - acc[0]) * 100 for a in acc], marker="o", ms=3, color=colors(methods.index(m) % 20),
+                ls="-" if seed == curves[0][1] else ":", label=f"{m} (seed {seed}, from {acc[0]:.1%})")
+    ax.axhline(gain * 100, color="0.4", ls="--", lw=1, label=f"+{gain * 100:.0f} points")
+    ax.axhline(0, color="0.7", lw=0.8)
     ax.set_xlabel("training step")
-    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_ylabel("held-out accuracy change since step 0 (points)")
     ax.set_title("RL on the standard engine: held-out accuracy along the run", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: collapsed runs fill the bottom
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
