@@ -79,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
         c = sweep_report.contrast(results)
         c["gaps"] = studies.method_gaps(sweep)  # quality-rule methods only (e.g. two horizons); else []
         (out / "contrast.json").write_text(json.dumps(c, indent=2, default=float) + "\n")
-        pngs = ["contrast.png"] if c["rows"] else []
-        if c["rows"]:
+        pngs = []
+        if c["rows"]:  # none when every run is a baseline (e.g. RL tuning on the standard engine)
             sweep_report.plot_contrast(c, out / "contrast.png")
+            pngs.append("contrast.png")
             print(sweep_report.contrast_table(c))
         if sweep_report.plot_baseline_curves(results, out / "baseline_curves.png"):
             pngs.append("baseline_curves.png")
