@@ -8,7 +8,9 @@ wastes nothing ("after": the slot engine, packed scoring and update), in one run
   skewed   SmolLM2-135M's architecture with random weights (teacher 30 layers, student `--skewed-student-layers`),
            random prompts of 8-56 tokens, up to 256 new tokens; a stop-token set of 1/48 of the vocabulary makes
            each row stop with probability ~1/48 per token (the near-uniform random model): response lengths
-           spread from 1 to 256 with a long tail (geometric, mean ~48).
+           spread from 1 to 256 with a long tail (geometric, mean ~48). `--skewed-arch CONFIG_JSON` takes another
+           architecture (e.g. configs/arch/qwen2.5-0.5b-instruct/config.json: the teacher has all its layers, the
+           student the same shape with `--skewed-student-layers`, both random); `--skewed-max-new-tokens` caps N.
 
 Useful fractions: rollout = response tokens / slot-steps (rows + slots x decode passes: every row's first token
 comes from the prefill); forward = real prompt + response tokens / the rows x columns the teacher's and the
@@ -20,7 +22,8 @@ bucket), the two modes' steps interleaved so that the shared machine's drift hit
 compiled nothing.
 
     PYTHONPATH=. python benchmarks/step_waste.py [--workloads testbed,smollm2,skewed] [--slots auto]
-Writes step_waste.json / .png under --out (default benchmarks/results/).
+Writes step_waste.json / .png under --out (default benchmarks/results/; `--tag T`: step_waste_T.json / .png).
+Runs on CPU unless JAX_PLATFORMS is set (e.g. JAX_PLATFORMS=cuda on a GPU machine: the environment wins).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import numpy as np  # noqa: E402
 
 from jopd.data.pipeline import train_iterator  # noqa: E402
 from jopd.models import transformer  # noqa: E402
+from jopd.models.config import ModelConfig  # noqa: E402
 from jopd.models.hf_io import read_hf_config  # noqa: E402
 from jopd.opd import loop  # noqa: E402
 from jopd.opd.run_config import load_config  # noqa: E402
@@ -90,11 +94,29 @@ def smollm2(mode: str, slots: int, cache: str | None, untuned: bool = False) -> 
     return Workload("smollm2", run, state, train_iterator(cfg.data, run.tokenizer, kind="prompt"))
 
 
-def skewed(mode: str, slots: int, student_layers: int, batch: int) -> Workload:
-    arch = read_hf_config(REPO / "configs/arch/smollm2-135m-instruct")
+SKEWED_ARCH = "configs/arch/smollm2-135m-instruct/config.json"
+
+
+def skewed_arch(path: str):
+    """The architecture of `--skewed-arch`: an HF config.json, or a directory holding one (relative to the repo
+    when not found as given)."""
+    p = Path(path)
+    if not p.exists() and (REPO / p).exists():
+        p = REPO / p
+    if p.is_dir():
+        return read_hf_config(p)
+    return ModelConfig.from_hf_dict(json.loads(p.read_text()), source=str(p))
+
+
+def skewed(mode: str, slots: int, student_layers: int, batch: int, arch_path: str = SKEWED_ARCH,
+           max_new_tokens: int = 256) -> Workload:
+    arch = skewed_arch(arch_path)
+    if not 1 <= student_layers <= arch.num_layers:
+        raise ValueError(f"--skewed-student-layers={student_layers}: must be 1..{arch.num_layers} "
+                         f"(the teacher's layers in {arch_path})")
     t_cfg = dataclasses.replace(arch, eos_token_id=None)
     s_cfg = dataclasses.replace(t_cfg, num_layers=student_layers)
-    V, P, N = t_cfg.vocab_size, 56, 256
+    V, P, N = t_cfg.vocab_size, 56, max_new_tokens
     stop = list(range(V - V // 48, V))  # ~1/48 of a near-uniform distribution: a stop per ~48 tokens
     cfg = load_config(None, _mode_overrides(mode, slots, PACK_WIDTH_FACTOR * (P + N)) + [
         f"data.batch_size={batch}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
@@ -215,7 +237,11 @@ def print_table(results: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: {path.name} not drawn", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -255,14 +281,18 @@ def main() -> int:
                     help="smollm2: the shipped SmolLM2 weights, no fine-tunes (none to make or cache)")
     ap.add_argument("--skewed-student-layers", type=int, default=12)
     ap.add_argument("--skewed-batch", type=int, default=16)
+    ap.add_argument("--skewed-arch", default=SKEWED_ARCH, metavar="CONFIG_JSON",
+                    help="skewed: the architecture (HF config.json or its directory) of the random-weight models")
+    ap.add_argument("--skewed-max-new-tokens", type=int, default=256, help="skewed: new tokens per row at most")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results"))
+    ap.add_argument("--tag", default="", help="write step_waste_TAG.json / .png (two runs into one --out)")
     args = ap.parse_args()
     global PACK_WIDTH_FACTOR
     PACK_WIDTH_FACTOR = args.pack_width_factor
     builders = {"testbed": (lambda mode, s: testbed(mode, s, args.cache), 32),
                 "smollm2": (lambda mode, s: smollm2(mode, s, args.cache, args.smollm2_untuned), 8),
-                "skewed": (lambda mode, s: skewed(mode, s, args.skewed_student_layers, args.skewed_batch),
-                           args.skewed_batch)}
+                "skewed": (lambda mode, s: skewed(mode, s, args.skewed_student_layers, args.skewed_batch,
+                                                  args.skewed_arch, args.skewed_max_new_tokens), args.skewed_batch)}
     results = {}
     for name in args.workloads.split(","):
         build, rows = builders[name]
@@ -277,9 +307,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "warmup": args.warmup}
-    (out / "step_waste.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    plot(results, out / "step_waste.png")
-    print(f"wrote {out / 'step_waste.json'} and step_waste.png", file=sys.stderr)
+    if "skewed" in results:
+        meta["skewed"] = {"arch": args.skewed_arch, "student_layers": args.skewed_student_layers,
+                          "batch": args.skewed_batch, "max_new_tokens": args.skewed_max_new_tokens}
+    stem = "step_waste" + (f"_{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, out / f"{stem}.png")
+    print(f"wrote {out / f'{stem}.json'} and {stem}.png", file=sys.stderr)
     return 0
 
 
