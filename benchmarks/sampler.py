@@ -92,7 +92,7 @@ def decode_matmul_ceiling(cfg, batch: int, context: int, cache: dict) -> float:
     layer += dot_seconds((batch, 1, K, G, Dh), (batch, K, context, Dh), "btkgd,bksd->bkgts", cache)
     layer += dot_seconds((batch, K, G, 1, context), (batch, K, context, Dh), "bkgts,bksd->btkgd", cache)
     step = cfg.num_layers * layer + dot_seconds((batch, D), (D, V), "md,dv->mv", cache)
-    return batch / step
+    return batch / step if step > 0 else float("inf")  # a GPU may time every dot at ~dispatch cost
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
