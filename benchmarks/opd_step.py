@@ -246,8 +246,8 @@ def update_matmul_floor_s(t_cfg, s_cfg, batch: int, prompt_len: int, new_tokens:
                 t += dot_seconds((M, n_out), (k_in, n_out), "mn,kn->mk", cache)  # dx
                 t += dot_seconds((M, k_in), (M, n_out), "mk,mn->kn", cache)  # dW
         G = H // K
-        attention = (dot_seconds((B, T, K, G, Dh), (B, K, T, Dh), "btkgd,bksd->bkgts", cache)
-                     + dot_seconds((B, K, G, T, T), (B, K, T, Dh), "bkgts,bksd->btkgd", cache))
+        attention = (dot_seconds((B, K, G, T, Dh), (B, K, T, Dh), "bkgtd,bksd->bkgts", cache)
+                     + dot_seconds((B, K, G, T, T), (B, K, T, Dh), "bkgts,bksd->bkgtd", cache))
         return t + attention * (3 if backward else 1)
 
     head = dot_seconds((B * N, s_cfg.hidden_size), (s_cfg.hidden_size, s_cfg.vocab_size), "md,dv->mv", cache)

@@ -89,8 +89,8 @@ def decode_matmul_ceiling(cfg, batch: int, context: int, cache: dict) -> float:
     G = H // K
     layer = sum(dot_seconds((batch, k_in), (k_in, n_out), "mk,kn->mn", cache)
                 for k_in, n_out in ((D, H * Dh), (D, K * Dh), (D, K * Dh), (H * Dh, D), (D, F), (D, F), (F, D)))
-    layer += dot_seconds((batch, 1, K, G, Dh), (batch, K, context, Dh), "btkgd,bksd->bkgts", cache)
-    layer += dot_seconds((batch, K, G, 1, context), (batch, K, context, Dh), "bkgts,bksd->btkgd", cache)
+    layer += dot_seconds((batch, K, G, 1, Dh), (batch, K, context, Dh), "bkgtd,bksd->bkgts", cache)
+    layer += dot_seconds((batch, K, G, 1, context), (batch, K, context, Dh), "bkgts,bksd->bkgtd", cache)
     step = cfg.num_layers * layer + dot_seconds((batch, D), (D, V), "md,dv->mv", cache)
     return batch / step if step > 0 else float("inf")  # a GPU may time every dot at ~dispatch cost
 

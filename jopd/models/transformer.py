@@ -165,14 +165,16 @@ def _precision(dtype) -> jax.lax.Precision:
 def _attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, dtype):
     B, T, H, Dh = q_BxTxHxDh.shape
     K = k_BxKxSxDh.shape[1]
-    q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
+    # Both dots in batch-leading [b, k, g, t, ...] form: an output with t between b and k ("btkgd") made XLA:CPU
+    # run the probs @ v dot ~8x slower at decode shapes (T = 1); one transpose of the [B, T, H, Dh] result instead.
+    q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
     prec = _precision(dtype)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_BxKxSxDh, precision=prec).astype(jnp.float32)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k_BxKxSxDh, precision=prec).astype(jnp.float32)
     scores = scores / math.sqrt(Dh)
     scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh, precision=prec)
-    return out.reshape(B, T, H, Dh)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh, precision=prec)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 
 
 def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cache, v_cache, write_index,
