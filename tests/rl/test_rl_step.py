@@ -65,12 +65,15 @@ def test_ratio_is_one_at_the_first_inner_update_when_sampler_equals_trainer():
     with pytest.raises(ValueError, match=r"loss.kl_coef=0.1: OPDStep.score needs the reference params"):
         step.score(teacher, rollout)
 
-    # the step: 3 optimizer updates on one scored batch, one step on the counter the loop and resume use
-    state = step.init_state(student)
+    # the step: 3 optimizer updates on one scored batch, one step on the counter the loop and resume use. A
+    # reference away from the student makes every inner update move (the tiny random student's rewards may all tie)
+    away = step.place_reference(jax.tree.map(lambda x: x * 1.05, student))
     with jax.set_mesh(step.mesh):
-        state, metrics, _ = step(state, teacher, batch, 0, reference)
+        _, first = step.update(step.init_state(student), step.score(teacher, rollout, away))
+        state, metrics, _ = step(step.init_state(student), teacher, batch, 0, away)
     assert int(state.step) == 1 and _adam_count(state) == 3
     assert metrics["mismatch_k3"] == first["mismatch_k3"]  # rollout metrics: from the first inner update
+    assert float(first["update_norm"]) > 0
     assert float(metrics["update_norm"]) != float(first["update_norm"])  # the rest: averaged over the three
 
 
