@@ -39,7 +39,7 @@ from jopd.models.config import ModelConfig
 from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
 from jopd.losses.chunked import head_params
 from jopd import crosstok
-from jopd.opd.batch import RolloutArrays
+from jopd.opd.batch import RolloutArrays, scoring_input, with_sampler_full_logprobs
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossTeacher, cross_batch_shapes
 from jopd.opd.roofline import CHIP_PEAKS, Cost, Roofline, chip_of
 from jopd.opd.step import OPDStep, build_step, rollouts_per_prompt
@@ -478,7 +478,8 @@ def step_inputs(step: OPDStep) -> StepInputs:
                             rewards_B=per_row, task_B=task, cross=cross)
     # the frozen KL reference (loss.kl_coef > 0): the starting student's shapes in the trainer layout
     reference = (state.params,) if step.uses_reference else ()
-    batch = jax.eval_shape(step.score_fn, teacher, rollout, *reference)
+    batch = with_sampler_full_logprobs(jax.eval_shape(step.score_fn, teacher, scoring_input(rollout), *reference),
+                                       rollout)
     batch = _abstract(batch, jax.tree.map(lambda _: sh.batch, batch))
     scorer = teacher[step.routing.scorer] if step.routing is not None else teacher
     head = (head_params(scorer),) if step.uses_teacher_head else ()  # the full-vocabulary kinds read it per chunk
@@ -521,6 +522,8 @@ def _stage_programs(step: OPDStep, ins: StepInputs):
         buffers["reference_params"] = _bytes(reference)
         frozen += ("reference_params",)
     held = lambda *names: {k: buffers[k] for k in names}  # noqa: E731
+    # the rollout's part that is not the scoring's argument (the sampler's full log-softmax): alive meanwhile
+    rollout_not_scored = buffers["rollout"] - _bytes(scoring_input(ins.rollout).sample)
     program = step.sampler.program_for(ins.engine)
     # `jopd train`'s loop: the sampler keeps its KV cache between steps; the sampler params and the rollout live
     # until the train step is dispatched; the train state is donated to (and replaced by) the train step.
@@ -530,9 +533,10 @@ def _stage_programs(step: OPDStep, ins: StepInputs):
                         | held(*frozen, "kv_cache")),
         "sample": (lambda: program.lower(ins.sampler_params, *ins.unique, ins.rand, ins.cache),
                    held("train_state", *frozen)),
-        "teacher_scoring": (lambda: step.score_fn.lower(teacher, ins.rollout, *reference),
-                            held("train_state", "sampler_params", "kv_cache", "rollout",
-                                 *(("projection_table",) if step.crosses else ()))),
+        "teacher_scoring": (lambda: step.score_fn.lower(teacher, scoring_input(ins.rollout), *reference),
+                            held("train_state", "sampler_params", "kv_cache",
+                                 *(("projection_table",) if step.crosses else ()))
+                            | {"rollout": rollout_not_scored}),
         "train_step": (lambda: step.update_fn.lower(state, ins.batch, *ins.head), held(*frozen, "kv_cache")),
     }
     return programs, buffers

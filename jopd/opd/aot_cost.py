@@ -22,6 +22,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd import parallel as meshlib
 from jopd.opd.aot import StageReport, StepInputs, _abstract, _cache, _compile, step_inputs
+from jopd.opd.batch import scoring_input
 from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.opd.run_config import RunConfig
 from jopd.losses.objectives import loss_chunk
@@ -63,7 +64,8 @@ def cost_programs(step: OPDStep, ins: StepInputs) -> dict[str, list[CostProgram]
     updates = cfg.rl.inner_updates
     programs = {
         "sample": _rollout_programs(step, ins),
-        "teacher_scoring": [CostProgram("forward", 1, lambda: score.lower(teacher, ins.rollout, *reference))],
+        "teacher_scoring": [CostProgram("forward", 1,
+                                        lambda: score.lower(teacher, scoring_input(ins.rollout), *reference))],
         "train_step": [CostProgram("update", updates, lambda: update.lower(state, ins.batch, *ins.head))],
     }
     for name, program in _chunk_programs(step).items():
@@ -95,7 +97,8 @@ def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
                         teacher if step.routing is not None else teacher[0], step.mesh, cross=step.cross)
           for k in (c, c2)}
     ins = step_inputs(at[c])
-    score = lambda k: lambda: at[k].score_fn.lower(ins.teacher, ins.rollout, *ins.reference)  # noqa: E731
+    scored = scoring_input(ins.rollout)
+    score = lambda k: lambda: at[k].score_fn.lower(ins.teacher, scored, *ins.reference)  # noqa: E731
     update = lambda k: lambda: at[k].update_fn.lower(ins.state, ins.batch, *ins.head)  # noqa: E731
     scale = c / (c - c2)
     # the update's chunk at loss.chunk_size c runs loss_chunk(c) positions: the difference still gives its body

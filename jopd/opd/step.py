@@ -51,7 +51,7 @@ from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd import packing, rewards, teachers
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
-from jopd.opd.batch import RolloutArrays, TrainBatch
+from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sampler_full_logprobs
 from jopd.opd.optim import make_optimizer
 from jopd.opd.rewards import RLTrainState
 from jopd.opd.run_config import RunConfig
@@ -336,13 +336,13 @@ class OPDStep:
         arrays = rollout.arrays
         if self.cfg.train.pack:
             arrays = arrays.replace(plan=self.pack_plan(rollout))
-        args = (teacher_params, arrays)
+        args = (teacher_params, scoring_input(arrays))
         if self.uses_reference:
             if reference_params is None:
                 raise ValueError(f"RunConfig.loss.kl_coef={self.loss_cfg.kl_coef}: OPDStep.score needs the reference "
                                  f"params (the starting student, `place_reference`)")
             args += (reference_params,)
-        return self.score_fn(*args)
+        return with_sampler_full_logprobs(self.score_fn(*args), arrays)
 
     @property
     def uses_teacher_head(self) -> bool:

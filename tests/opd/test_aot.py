@@ -78,6 +78,23 @@ def test_fsdp_splits_the_per_device_memory(fsdp8):
     assert m8.argument < m1.argument and m8.total < m1.total
 
 
+def test_scoring_neither_takes_nor_copies_the_samplers_full_logprobs():
+    """train.mismatch=exact: the sampler's [B, N, V] log-softmax goes from the sampler straight to the train step.
+    Were it a scoring argument, the jitted pass-through would write a copy into a new output buffer (3.9 GiB per
+    chip on the Llama v5e config); instead it is held (counted once) while the scoring runs."""
+    cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8", "train.mismatch=exact")
+    V = aot.model_config_of(cfg.student, "student").vocab_size
+    full = cfg.data.batch_size // 8 * cfg.sampling.max_new_tokens * V * 4  # fp32 bytes per device, rows over 8
+    r = aot.compile_opd_step(cfg, stages=["teacher_scoring", "train_step"], progress=False)
+    scoring, train = r.stages
+    assert scoring.resident["rollout"] == full  # the rollout's part that is not a scoring argument
+    assert scoring.memory.output < full  # no [B, N, V] among the scoring's outputs
+    assert scoring.memory.argument - r.buffers["teacher_params"] < full  # nor among its arguments
+    plain = aot.compile_opd_step(tiny_cfg("mesh.data=1", "mesh.fsdp=8", "train.mismatch=estimators"),
+                                 stages=["train_step"], progress=False)
+    assert train.memory.argument - plain.stages[0].memory.argument >= full  # the train step reads it
+
+
 def test_hbm_check_names_the_stage(fsdp8):
     aot.check_fits(fsdp8)  # unknown HBM: no check
     small = dataclasses.replace(fsdp8, hbm_per_device=next(s.peak for s in fsdp8.stages if s.name == "sample"))
