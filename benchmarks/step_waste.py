@@ -72,10 +72,14 @@ class Workload:
 
 
 PACK_WIDTH_FACTOR = 2  # packed rows of 2 x (P + N) columns by default (`--pack-width-factor`)
+PACK_GRANULARITY: int | None = None  # `--pack-granularity` (None: train.pack_granularity's default)
 
 
 def _mode_overrides(mode: str, slots: int, width: int) -> list[str]:
-    return MODES[mode] + ([f"sampling.slots={slots}", f"train.pack_width={width}"] if mode == "after" else [])
+    after = [f"sampling.slots={slots}", f"train.pack_width={width}"]
+    if PACK_GRANULARITY is not None:
+        after.append(f"train.pack_granularity={PACK_GRANULARITY}")
+    return MODES[mode] + (after if mode == "after" else [])
 
 
 def testbed(mode: str, slots: int, cache: str | None) -> Workload:
@@ -277,6 +281,8 @@ def main() -> int:
     ap.add_argument("--cache", default=None, help="model cache (default: $JOPD_CACHE or ~/.cache/jopd)")
     ap.add_argument("--pack-width-factor", type=int, default=2,
                     help="'after' packs into rows of this many times P + N columns")
+    ap.add_argument("--pack-granularity", type=int, default=None,
+                    help="'after': train.pack_granularity (default: its own, an eighth of the rows)")
     ap.add_argument("--smollm2-untuned", action="store_true",
                     help="smollm2: the shipped SmolLM2 weights, no fine-tunes (none to make or cache)")
     ap.add_argument("--skewed-student-layers", type=int, default=12)
@@ -287,8 +293,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks/results"))
     ap.add_argument("--tag", default="", help="write step_waste_TAG.json / .png (two runs into one --out)")
     args = ap.parse_args()
-    global PACK_WIDTH_FACTOR
-    PACK_WIDTH_FACTOR = args.pack_width_factor
+    global PACK_WIDTH_FACTOR, PACK_GRANULARITY
+    PACK_WIDTH_FACTOR, PACK_GRANULARITY = args.pack_width_factor, args.pack_granularity
     builders = {"testbed": (lambda mode, s: testbed(mode, s, args.cache), 32),
                 "smollm2": (lambda mode, s: smollm2(mode, s, args.cache, args.smollm2_untuned), 8),
                 "skewed": (lambda mode, s: skewed(mode, s, args.skewed_student_layers, args.skewed_batch,

@@ -134,6 +134,10 @@ class TrainConfig:
     # Columns of a packed row (None: max_prompt_len + max_new_tokens, the padded row; wider rows pack more short
     # sequences each, at a quadratic attention cost per row)
     pack_width: int | None = pydantic.Field(None, ge=1)
+    # Packed rows per batch shard are rounded up to a multiple of this, and the compact response rows likewise, so
+    # that few shapes compile (None: an eighth of the shard's rows, a sixteenth of its compact rows); 1: no
+    # rounding, the fewest columns, a compile for every new row count
+    pack_granularity: int | None = pydantic.Field(None, ge=1)
     guard: GuardConfig = GuardConfig()  # what stops a run that goes non-finite or degenerates (`opd.guards`)
 
 

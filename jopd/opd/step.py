@@ -328,7 +328,7 @@ class OPDStep:
         shards = self.local_shards
         plan = packing.plan_packing(prompt_lens, lengths, rollout.prompt_BxP.shape[1],
                                     self.sampler.sampling.max_new_tokens, shards=shards,
-                                    width=self.cfg.train.pack_width)
+                                    width=self.cfg.train.pack_width, granularity=self.cfg.train.pack_granularity)
         plan = host_local_to_global(plan, self.shardings.batch)
         return plan.replace(compact=plan.compact.replace(shards=self.sampler.shards))  # the global shard count
 

@@ -99,6 +99,7 @@ def _loss_and_grad(step, arrays, host, teacher, student, reference=None):
 
 KINDS = {
     "topk_rkl_tail, wide rows": ["loss.kind=topk_rkl_tail", f"train.pack_width={3 * (P + N)}"],
+    "topk_rkl_tail, granularity 1": ["loss.kind=topk_rkl_tail", "train.pack_granularity=1"],
     "topk_rkl union+sampled, tis": ["loss.kind=topk_rkl", "loss.support_sampled=true", "loss.is_mode=tis"],
     "topk_rkl teacher_topk": ["loss.kind=topk_rkl", "loss.support=teacher_topk"],
     "sampled_opd gamma": ["loss.kind=sampled_opd", "loss.gamma=0.9"],
@@ -110,6 +111,21 @@ KINDS = {
                                     "loss.icepop_high=1e6",
                                     "loss.token_sum_norm=true", "loss.special_token_ids=[7]"],
 }
+
+
+def test_granularity_rounds_the_packed_row_counts_and_1_leaves_no_empty_row():
+    rng = np.random.default_rng(1)
+    prompt_lens, lengths = rng.integers(1, P + 1, 32), rng.integers(0, N + 1, 32)
+    Cq = min(N, 32)
+    for shards in (1, 2):  # rows per shard rounded up to a multiple of an eighth of the shard's rows by default
+        auto = plan_packing(prompt_lens, lengths, P, N, shards=shards)
+        assert (auto.src_row_BpxC.shape[0] // shards) % (32 // shards // 8) == 0
+    auto = plan_packing(prompt_lens, lengths, P, N)
+    exact = plan_packing(prompt_lens, lengths, P, N, granularity=1)
+    used = (exact.segment_BpxC > 0).any(axis=1)
+    assert used.all()  # granularity 1: every packed row holds a sequence
+    assert (auto.segment_BpxC > 0).any(axis=1).sum() == len(used) < auto.src_row_BpxC.shape[0]  # same packing, no pad
+    assert exact.compact.valid_QxC.shape[0] == -(-lengths.sum() // Cq) < auto.compact.valid_QxC.shape[0]
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
