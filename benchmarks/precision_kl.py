@@ -24,7 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jopd.data.chat import user_prompt_ids  # noqa: E402
-from jopd.lab.mismatch import exact_kl_BxT, mismatch_estimators, trainer_response_logits  # noqa: E402
+from jopd.lab.position_kl import trainer_response_logits  # noqa: E402
+from jopd.losses.is_correction import exact_kl_BxT, mismatch_estimators  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.models import transformer as T  # noqa: E402
 from jopd.sampling.precision import precision_from_name, prepare_sampler_params  # noqa: E402

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jopd.lab.measure import measure_config
+    from jopd.lab.mismatch import measure_config
     from jopd.opd.run_config import load_config
 
     if args.batches < 1:

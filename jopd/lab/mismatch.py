@@ -1,65 +1,135 @@
-"""Rollout/trainer **mismatch** (docs/architecture.md, "Definitions"): the exact full-vocabulary
-KL(sampler's next-token distribution q ‖ trainer's p) at the same temperature on the positions the sampler
-visited, here from a rollout and the trainer's forward. The KL itself (`exact_kl_BxT`) and the cheap estimators
-from the sampled tokens alone (k1, k3, |Δprob|, IS effective sample size: `mismatch_estimators`) are
-`jopd.losses.is_correction`'s, re-exported here; the train step logs both.
+"""Measure a rollout engine's mismatch without training: sample a few batches with the candidate engine through
+the OPD step's own rollout (`OPDStep.rollout`), and compare each visited position with the trainer.
 
-Pure functions over arrays (jit-able); the caller supplies the masks of real response tokens.
+Reported per response token, each with a 95% bootstrap CI over prompts (rows are resampled whole, so the
+interval reflects prompt-to-prompt variation, and token-weighted means stay ratios of sums): the exact
+full-vocabulary KL(sampler ‖ trainer), the sampled-token estimators k1 and k3, mean and max |Δprob| of the
+sampled tokens, and the effective sample size of the IS weights.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+import functools
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Bool, Float
+from tqdm.auto import tqdm
 
-from jopd.losses.chunked import chunked_logits_map
-from jopd.losses.is_correction import exact_kl_BxT, mismatch_estimators
-from jopd.models import transformer
-from jopd.models.config import ModelConfig
-from jopd.opd.batch import sequence_layout
-from jopd.sampling.sampler import SampleOutput
+from jopd.lab.position_kl import position_mismatch
+from jopd.lab.stats import Estimate, estimate
+from jopd.losses.is_correction import effective_sample_size, mismatch_terms_BxT
+from jopd.parallel.distributed import gather_to_host
 
-__all__ = ["exact_kl_BxT", "trainer_response_logits", "mismatch_estimators", "position_mismatch"]
-
-
-def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Array],
-                            prompts: Sequence[Sequence[int]], tokens_BxN: Int[Array, "B N"]) -> Float[Array, "B N V"]:
-    """The trainer's logits for each response position of the sampler's output: prompt + response (right-padded,
-    all N response slots kept) through `logits_fn(tokens_BxT, mask_BxT) -> logits_BxTxV`; row b's response slot t
-    is predicted at position len(prompt_b) - 1 + t."""
-    tokens_BxN = np.asarray(tokens_BxN)
-    n = tokens_BxN.shape[1]
-    width = max(map(len, prompts)) + n
-    toks = np.zeros((len(prompts), width), np.int32)
-    mask = np.zeros((len(prompts), width), bool)
-    for i, p in enumerate(prompts):
-        toks[i, :len(p) + n], mask[i, :len(p) + n] = list(p) + tokens_BxN[i].tolist(), True
-    logits = logits_fn(toks, mask)
-    return jnp.stack([logits[i, len(p) - 1:len(p) - 1 + n] for i, p in enumerate(prompts)])
+# Per-row sums the statistics are ratios of (one row = one prompt's response).
+_SUMS = ("n", "kl", "k1", "k3", "dprob", "r", "r2")
 
 
-def position_mismatch(params, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"], sample: SampleOutput,
-                      *, model_cfg: ModelConfig, temperature: float, chunk: int = 128) -> dict[str, jax.Array]:
-    """Per response position, the trainer's view of a rollout: exact KL(sampler ‖ trainer) over the full
-    vocabulary (`exact_kl_BxT`; needs the sampler's full log-softmax, `SamplingConfig.return_full_logprobs`)
-    and the trainer's log-prob of the sampled token, from the trainer's forward over prompt + response
-    (projected chunk by chunk). Returns {"exact_kl_BxN", "trainer_logprobs_BxN", "response_mask_BxN"}."""
-    if sample.full_logprobs_BxNxV is None:
-        raise ValueError("position_mismatch: the sample has no full log-softmax (sample with return_full_logprobs)")
-    layout = sequence_layout(prompt_BxP, prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
-    N = layout.targets_BxN.shape[1]
-    hidden = transformer.response_hidden(params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N)
+@dataclasses.dataclass
+class MismatchReport:
+    n_prompts: int
+    n_tokens: int
+    exact_kl: Estimate  # nats per response token
+    k1: Estimate
+    k3: Estimate
+    mean_abs_dprob: Estimate
+    max_abs_dprob: Estimate
+    ess: Estimate
+    batch_exact_kl: list[float]  # per sampled batch
+    wall_s: float
 
-    def per_chunk(logits_BxCxV, inp):
-        log_p = jax.nn.log_softmax(logits_BxCxV / temperature, axis=-1)
-        target = jnp.take_along_axis(log_p, inp["targets"][..., None], axis=-1)[..., 0]
-        return {"exact_kl_BxN": exact_kl_BxT(inp["log_q"], logits_BxCxV, temperature),
-                "trainer_logprobs_BxN": target}
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-    out = chunked_logits_map(per_chunk, params, hidden, {"log_q": sample.full_logprobs_BxNxV,
-                                                         "targets": layout.targets_BxN}, chunk, remat=False)
-    return out | {"response_mask_BxN": layout.response_mask_BxN}
+    def table(self) -> str:
+        rows = [("exact KL(sampler || trainer)", self.exact_kl, "nats/token"), ("k1", self.k1, "nats/token"),
+                ("k3", self.k3, "nats/token"), ("mean |dprob|", self.mean_abs_dprob, ""),
+                ("max |dprob|", self.max_abs_dprob, ""), ("IS effective sample size", self.ess, "fraction")]
+        lines = [f"{self.n_prompts} prompts, {self.n_tokens} response tokens, {len(self.batch_exact_kl)} batches, "
+                 f"{self.wall_s:.1f} s", f"{'':30s} {'mean':>11s} {'95% CI over prompts':>25s}"]
+        for name, e, unit in rows:
+            lines.append(f"{name:30s} {e.mean:11.4g} [{e.ci_low:11.4g}, {e.ci_high:11.4g}] {unit}")
+        return "\n".join(lines)
+
+
+def mismatch_row_sums(sampler_logprobs_BxN: Float[np.ndarray, "B N"], trainer_logprobs_BxN: Float[np.ndarray, "B N"],
+                      mask_BxN: Bool[np.ndarray, "B N"], exact_kl_BxN: Float[np.ndarray, "B N"]
+                      ) -> dict[str, np.ndarray]:
+    """Per row, over its real response tokens, in float64: the token count, the sums of the exact KL and of the
+    sampled-token terms (`jopd.losses.is_correction.mismatch_terms_BxT`, the step's own), and the max |Δprob|."""
+    m = np.asarray(mask_BxN, bool)
+    t = mismatch_terms_BxT(np.asarray(sampler_logprobs_BxN, np.float64), np.asarray(trainer_logprobs_BxN, np.float64),
+                           m)
+    return {"n": m.sum(1).astype(np.float64), "kl": np.where(m, np.asarray(exact_kl_BxN, np.float64), 0.0).sum(1),
+            "k1": t["k1"].sum(1), "k3": t["k3"].sum(1), "dprob": t["abs_dprob"].sum(1), "r": t["r"].sum(1),
+            "r2": t["r2"].sum(1), "max_dprob": t["abs_dprob"].max(1, initial=0.0)}
+
+
+def _ratio(num: str):
+    return lambda *cols, axis=-1: cols[_SUMS.index(num)].sum(axis) / cols[0].sum(axis)
+
+
+def _ess(*cols, axis=-1):
+    col = lambda name: cols[_SUMS.index(name)].sum(axis)  # noqa: E731
+    return effective_sample_size(col("r"), col("r2"), col("n"))
+
+
+def summarize(rows: dict[str, np.ndarray], batch_kl: list[float], wall_s: float, *, resamples: int = 2000,
+              seed: int = 0) -> MismatchReport:
+    """Token-weighted means (ratios of per-row sums) with paired bootstrap CIs over rows."""
+    n = rows["n"]
+    if n.sum() == 0:
+        raise ValueError("mismatch: the sampled responses hold no tokens (nothing to measure)")
+    keep = n > 0
+    est = functools.partial(estimate, tuple(rows[k][keep] for k in _SUMS), resamples=resamples, seed=seed)
+    max_est = estimate((rows["max_dprob"][keep],), np.max, resamples=resamples, seed=seed)
+    return MismatchReport(n_prompts=int(keep.sum()), n_tokens=int(n.sum()), exact_kl=est(_ratio("kl")),
+                          k1=est(_ratio("k1")), k3=est(_ratio("k3")), mean_abs_dprob=est(_ratio("dprob")),
+                          max_abs_dprob=max_est, ess=est(_ess), batch_exact_kl=batch_kl, wall_s=wall_s)
+
+
+def measure(run, state, batches: Iterable[dict[str, np.ndarray]], *, first_step: int = 0, resamples: int = 2000,
+            seed: int = 0, progress: bool = True) -> MismatchReport:
+    """Mismatch of `run`'s rollout engine (its `rollout_precision`, sampling and noise) against the trainer, on
+    the given prompt batches, with the student at `state`. `run` is a `jopd.opd.loop.OPDRun` whose sampler
+    returns its full log-softmax (`train.mismatch: exact`)."""
+    step = run.step
+    if not step.sampler.sampling.return_full_logprobs:
+        raise ValueError("mismatch: needs train.mismatch=exact (the sampler's full log-softmax)")
+    fn = jax.jit(functools.partial(position_mismatch, model_cfg=step.student_cfg,
+                                   temperature=run.cfg.sampling.temperature, chunk=step.loss_cfg.chunk_size))
+    t0 = time.perf_counter()
+    sums: list[dict[str, np.ndarray]] = []
+    batch_kl = []
+    for i, batch in enumerate(tqdm(list(batches), desc="mismatch", disable=not progress, leave=False)):
+        with jax.set_mesh(step.mesh):
+            rollout = step.rollout(state, batch, first_step + i)
+            terms = fn(state.params, rollout.prompt_BxP, rollout.prompt_mask_BxP, rollout.sample)
+        sampler_lp = rollout.sample.unprocessed_logprobs_BxN
+        rows = mismatch_row_sums(*gather_to_host((sampler_lp, terms["trainer_logprobs_BxN"], terms["response_mask_BxN"],
+                                                  terms["exact_kl_BxN"])))  # all processes' rows, on every host
+        sums.append(rows)
+        batch_kl.append(float(rows["kl"].sum() / max(rows["n"].sum(), 1.0)))
+    wall = time.perf_counter() - t0
+    merged = {k: np.concatenate([s[k] for s in sums]) for k in sums[0]}
+    return summarize(merged, batch_kl, wall, resamples=resamples, seed=seed)
+
+
+def measure_config(cfg, checkpoint: str | None = None, step: int | None = None, batches: int = 4,
+                   resamples: int = 2000, log=print) -> tuple[MismatchReport, int]:
+    """(report, student step) for a RunConfig: build its run, take the student from `checkpoint` (a checkpoint
+    directory or RUN_DIR; None: the config's starting student, step 0), measure on its first `batches` training
+    batches of prompts."""
+    from jopd.data.pipeline import train_iterator
+    from jopd.lab.runs import build_at_checkpoint
+
+    run, state, at = build_at_checkpoint(cfg, checkpoint, step, log=log)
+    it = train_iterator(cfg.data, run.tokenizer, kind="prompt")
+    report = measure(run, state, [next(it) for _ in range(batches)], resamples=resamples,
+                     progress=sys.stderr.isatty())
+    return report, 0 if at is None else at

@@ -1,6 +1,6 @@
-"""The screening check, run: measure calibration setups and candidates offline (`jopd.lab.measure`, the same
+"""The screening check, run: measure calibration setups and candidates offline (`jopd.lab.mismatch`, the same
 student checkpoint, prompts and random draws for all), calibrate the budget from the calibration runs'
-quality-rule verdicts, and admit / reject / leave undecided each candidate (`jopd.lab.screening`).
+quality-rule verdicts, and admit / reject / leave undecided each candidate (`jopd.lab.budget`).
 
 Mismatch is calibrated and screened on one scale: by default both sides are the offline measurement (what
 a candidate can be given without training). The runs' own logged mean mismatch (`in_run`) is reported beside
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jopd.lab import quality
-from jopd.lab.measure import measure_config
+from jopd.lab.mismatch import measure_config
 from jopd.lab.runs import config_field, mean_mismatch, read_eval, read_run_config, run_config
-from jopd.lab.screening import Calibration, calibrate, count_matches, decide
+from jopd.lab.budget import Calibration, calibrate, count_matches, decide
 from jopd.lab.sweep import run_config as setup_run_config
 from jopd.lab.sweep_config import QualityConfig, SweepConfig
 from jopd.opd.run_config import RunConfig

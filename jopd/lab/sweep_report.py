@@ -19,7 +19,7 @@ import numpy as np
 
 from jopd.lab import quality
 from jopd.lab.runs import is_finished, mean_metric, mean_mismatch, read_eval, read_eval_summary, wall_seconds
-from jopd.lab.screening import calibrate
+from jopd.lab.budget import calibrate
 from jopd.lab.sweep import run_dir
 from jopd.lab.sweep_config import SetupConfig, SweepConfig
 

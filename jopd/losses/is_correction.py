@@ -4,7 +4,7 @@ The rollouts come from the sampler's distribution q (its own precision/engine); 
 trainer's p. Per sampled token, the ratio r = p(y)/q(y) = exp(log p - log q). Weights are stop-gradient.
 
 `mismatch_terms_BxT` and `effective_sample_size` take numpy or JAX arrays alike: the step logs them in fp32
-under jit, the lab (`jopd.lab.measure`) sums them per prompt in float64 for its bootstrap, from one definition.
+under jit, the lab (`jopd.lab.mismatch`) sums them per prompt in float64 for its bootstrap, from one definition.
 """
 
 from __future__ import annotations

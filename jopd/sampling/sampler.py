@@ -12,7 +12,7 @@ a sort of a [64, 49152] block of rows is far slower on CPU than a few passes ove
 Per generated token it returns the processed logprob (log-probability of the sampled token under the
 distribution actually sampled from: after logit noise, temperature, top-k/top-p truncation and
 renormalization; 0 for greedy) and the unprocessed logprob (after noise and temperature only); optionally
-the full unprocessed log-softmax [B, N, V] fp32, for the exact mismatch KL (see `jopd.lab.mismatch`).
+the full unprocessed log-softmax [B, N, V] fp32, for the exact mismatch KL (see `jopd.lab.position_kl`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The mismatch estimators written once (`jopd.losses.is_correction`): the lab's float64 per-prompt sums
-(`jopd.lab.measure.mismatch_row_sums`) add up to the train step's fp32 estimators on the same random tokens,
+(`jopd.lab.mismatch.mismatch_row_sums`) add up to the train step's fp32 estimators on the same random tokens,
 and the effective sample size is one formula on numpy and under jit."""
 
 import jax
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jopd.lab import measure
+from jopd.lab import mismatch as measure
 from jopd.losses.is_correction import effective_sample_size, is_metrics, mismatch_estimators, mismatch_terms_BxT
 
 

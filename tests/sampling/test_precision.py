@@ -9,7 +9,7 @@ import pytest
 from scipy import special
 
 from jopd.config_dataclass import ConfigError, build
-from jopd.lab.mismatch import exact_kl_BxT, mismatch_estimators
+from jopd.losses.is_correction import exact_kl_BxT, mismatch_estimators
 from jopd.models.config import ModelConfig
 from jopd.sampling.precision import PRESETS, PrecisionConfig, fake_quant, precision_from_name, prepare_sampler_params
 from tests.helpers.tiny_params import numpy_params

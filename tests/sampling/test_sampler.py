@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jopd.config_dataclass import ConfigError, build
-from jopd.lab.mismatch import exact_kl_BxT, mismatch_estimators
+from jopd.losses.is_correction import exact_kl_BxT, mismatch_estimators
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.sampling.precision import PrecisionConfig, precision_from_name, prepare_sampler_params

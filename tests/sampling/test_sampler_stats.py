@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jopd.lab.mismatch import exact_kl_BxT, trainer_response_logits
+from jopd.lab.position_kl import trainer_response_logits
+from jopd.losses.is_correction import exact_kl_BxT
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.sampling.precision import PrecisionConfig, precision_from_name, prepare_sampler_params

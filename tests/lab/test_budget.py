@@ -1,10 +1,10 @@
-"""Screening logic (jopd.lab.screening) on synthetic calibration runs."""
+"""Screening logic (jopd.lab.budget) on synthetic calibration runs."""
 
 import math
 
 import pytest
 
-from jopd.lab import screening as sc
+from jopd.lab import budget as sc
 
 # mean mismatch (nats/token) and full-run verdicts shaped like the seed study: everything up to 0.184 passed,
 # runs near 0.39 failed

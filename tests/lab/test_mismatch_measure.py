@@ -1,4 +1,4 @@
-"""`jopd mismatch`'s measurement (`jopd.lab.measure`) through the production step's rollout: zero for identical
+"""`jopd mismatch`'s measurement (`jopd.lab.mismatch`) through the production step's rollout: zero for identical
 engines, the exact KL under logit noise against a numpy Monte-Carlo estimate of E[KL], estimators' signs, the
 bootstrap CI against scipy, and the command end to end on the smoke config."""
 
@@ -11,8 +11,8 @@ import pytest
 from scipy import special, stats
 
 from jopd import cli
-from jopd.lab import measure
-from jopd.lab.mismatch import position_mismatch
+from jopd.lab import mismatch as measure
+from jopd.lab.position_kl import position_mismatch
 from jopd.losses import LossConfig
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
