@@ -8,7 +8,7 @@ import pytest
 
 from jopd.losses.batch import LossBatch
 from jopd.losses.config import LossConfig
-from jopd.losses.objectives import token_loss_from_logits
+from jopd.losses.compute import token_loss_from_logits
 
 B, T, V, K = 2, 6, 11, 4
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jopd.losses import LossConfig
-from jopd.losses.objectives import per_task_means
+from jopd.losses.compute import per_task_means
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays, sequence_layout
