@@ -1,5 +1,6 @@
 """The loss kinds of a teacher with another tokenizer (`loss.kind: xtok_sampled | xtok_dense`; their entries'
-`cross_tokenizer` says what `opd.cross_teacher` writes for them): the student's response and the teacher's tokenization of the same text, cut into aligned spans.
+`cross_tokenizer` says what `opd.cross_teacher` writes for them): the student's response and the teacher's
+tokenization of the same text, cut into aligned spans.
 
 - `xtok_sampled` (exact): the cross-tokenizer form of `sampled_opd`. Per aligned span k, the signal
   s_k = log p_student(span k) - log p_teacher(span k) (each the sum of its side's token log-probs in the span, by

@@ -355,7 +355,8 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     t_cfg = t_cfgs[0]
     cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else None
     own_tok = cross if isinstance(cross, tuple) else (cross,) * len(roles)  # None: the student's vocabulary
-    validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))  # the vocabularies, the contexts
+    # the vocabularies and the contexts, as `jopd train` checks them
+    validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))
     mesh = meshlib.make_mesh(cfg.mesh, devices)
     step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfg, mesh, cross=cross)
     inputs = step_inputs(step)

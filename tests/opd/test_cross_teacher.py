@@ -1,7 +1,7 @@
-"""A teacher with another tokenizer through the OPD step (`loss.kind: xtok_sampled | xtok_dense`): the toy character-level student
-and a teacher with SmolLM2's 49152-token BPE (a tiny random model). The scored fields against direct
-teacher-forced computations, the dense projection against the teacher's next-character distribution, failures
-counted, bad pairs refused before any compute, and tiny runs end to end."""
+"""A teacher with another tokenizer through the OPD step (`loss.kind: xtok_sampled | xtok_dense`): the toy
+character-level student and a teacher with SmolLM2's 49152-token BPE (a tiny random model). The scored fields
+against direct teacher-forced computations, the dense projection against the teacher's next-character
+distribution, failures counted, bad pairs refused before any compute, and tiny runs end to end."""
 
 import dataclasses
 import json
