@@ -6,19 +6,24 @@ for the rest of the vocabulary, with p the student's and q the teacher's probabi
     D_alpha(p || q) = (sum_{v in S + tail} p(v)^alpha q(v)^(1 - alpha) - 1) / (alpha (alpha - 1))
 
 alpha -> 1 gives the truncated reverse KL with a tail (`topk_rkl_tail`), alpha -> 0 the forward one. A run
-config imports this file and then names the kind like a built-in one:
+config imports this file and then names the kind like a built-in one, its alpha set in the kind's own options
+(`AlphaOptions`, validated when the config is loaded), or one of the two fixed ones:
 
     plugins: [docs/examples/alpha_divergence.py]   # in the config's folder, else the working directory
-    loss: {kind: alpha_0.5}
+    loss: {kind: alpha, options: {alpha: 0.7}}     # or {kind: alpha_0.5}
 
 tests/losses/test_loss_plugin.py checks it against numpy and trains a tiny testbed run with exactly this file.
 """
 
 import jax
 import jax.numpy as jnp
+import pydantic
 
+from jopd.config_dataclass import config_dataclass
 from jopd.losses import OBJECTIVES
 from jopd.losses.kinds import Objective
+
+SUPPORT = ("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK")  # read per chunk: the teacher's support
 
 
 def alpha_divergence(alpha: float):
@@ -39,7 +44,16 @@ def alpha_divergence(alpha: float):
     return per_position
 
 
+@config_dataclass
+class AlphaOptions:
+    """`loss.options` of kind `alpha` (`cfg.options` in its functions): one-line errors name the field."""
+
+    alpha: float = pydantic.Field(0.5, gt=0.0, lt=1.0)
+
+
+# the default reduction minimizes `divergence`
+OBJECTIVES.add("alpha", Objective(chunk_fields=SUPPORT, after_fields=(), options=AlphaOptions,
+                                  per_position=lambda cfg, logits, inputs:
+                                  alpha_divergence(cfg.options.alpha)(cfg, logits, inputs)))
 for a in (0.5, 0.9):
-    # reads the teacher's support log-probs per chunk; the default reduction minimizes `divergence`
-    OBJECTIVES.add(f"alpha_{a}", Objective(chunk_fields=("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK"),
-                                           after_fields=(), per_position=alpha_divergence(a)))
+    OBJECTIVES.add(f"alpha_{a}", Objective(chunk_fields=SUPPORT, after_fields=(), per_position=alpha_divergence(a)))

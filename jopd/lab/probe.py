@@ -346,7 +346,7 @@ class _Setup:
 def _setup(run, options: ProbeOptions, teacher: int, source: TaskSource) -> _Setup:
     cfg = run.cfg
     if cfg.loss.cross_tokenizer != "off":
-        raise ValueError(f"RunConfig.loss.cross_tokenizer={cfg.loss.cross_tokenizer}: the teacher-reliability probe "
+        raise ValueError(f"RunConfig.loss.kind={cfg.loss.kind}: the teacher-reliability probe "
                          f"feeds the teacher the student's token ids; not with a teacher of another tokenizer")
     if options.samples < 0:
         raise ValueError(f"samples: must be >= 0, got {options.samples}")

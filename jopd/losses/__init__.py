@@ -1,7 +1,7 @@
 """Distillation losses: pure functions of logits / log-probs, masks and weights.
 
 Entry point: `token_loss(cfg, student_params, model_cfg, hidden_BxTxD, batch: LossBatch) -> (loss, metrics)`
-(chunked over T). Each loss kind is one `OBJECTIVES` entry (`kinds.py`; built-ins in `builtin.py`).
+(chunked over T). Each loss kind is one `OBJECTIVES` entry (`kinds.py`; built-ins in `builtin.py`, `cross_kinds.py`).
 """
 
 from jopd.losses.batch import LossBatch
@@ -11,7 +11,8 @@ from jopd.losses.divergences import (cross_entropy, forward_kl, generalized_jsd,
                                      topk_reverse_kl, topk_tail_reverse_kl)
 from jopd.losses.is_correction import importance_ratio, importance_weights, is_metrics, mismatch_estimators
 from jopd.losses.masks import loss_mask, masked_mean
-from jopd.losses.objectives import OBJECTIVES, token_loss, token_loss_from_logits
+from jopd.losses.compute import token_loss, token_loss_from_logits
+from jopd.losses.kinds import OBJECTIVES
 from jopd.losses.policy_gradient import (clipped_ratio_surrogate, discounted_future_sum, opd_advantages,
                                          policy_gradient_surrogate, reference_kl_k3, softmax_entropy)
 

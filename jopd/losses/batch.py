@@ -2,7 +2,7 @@
 
 Every [B, T, ...] field is aligned with the student's hidden positions: slot t describes the prediction of
 `targets_BxT[:, t]`. Optional fields are None when the loss kind does not read them (the registry in
-`losses.objectives` declares which kind needs which); None is an empty pytree node, so a missing field costs
+`losses.kinds` declares which kind needs which); None is an empty pytree node, so a missing field costs
 nothing under jit and needs no sharding.
 
 With `compact` set (packed sequences, `jopd.opd.packing`), the fields a kind reads per chunk (its

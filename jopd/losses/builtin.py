@@ -7,13 +7,20 @@ weight in: it bounds the one in the ratio, with factor w(r) / r (none: 1; tis: m
 effective weight min(r, cap), a cap for the negative-advantage tokens that the clip leaves unbounded; icepop:
 1 inside [icepop_low, icepop_high], else 0, the token dropped). Both kinds add `kl_coef` * k3(pi_s || pi_ref)
 per token when a reference is given (`reference_logprobs_BxT`).
+
+Kinds with settings of their own declare them as `options` (`loss.options`): jsd `JSDOptions`, sampled_opd
+`SampledOPDOptions`, grpo `GRPOOptions`.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import jax
 import jax.numpy as jnp
+import pydantic
 
+from jopd.config_dataclass import config_dataclass
 from jopd.losses import advantages
 from jopd.losses import divergences as div
 from jopd.losses.kinds import OBJECTIVES, Objective, divergence_reduce
@@ -23,6 +30,35 @@ from jopd.losses.policy_gradient import (clipped_ratio_surrogate, opd_advantages
 from jopd.parallel.vocab_projection import vocab_sharded_logits
 
 _TOPK = ("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK")
+
+
+# -- the kinds' own settings (`loss.options`) --------------------------------------------------------------------
+
+@config_dataclass
+class JSDOptions:
+    # GKD convention: JSD_b = b KL(p_t||m) + (1-b) KL(p_s||m), m = b p_t + (1-b) p_s, with the limits of
+    # JSD_b/b and JSD_b/(1-b) at the ends: b=0 -> forward KL(p_t||p_s), b=1 -> reverse KL(p_s||p_t).
+    beta: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.5
+
+
+@config_dataclass
+class SampledOPDOptions:
+    # advantage_t = sum_{k>=t} gamma^(k-t) r_k over unmasked k (0 = per-token advantage).
+    gamma: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.0
+
+
+@config_dataclass
+class GRPOOptions:
+    # PPO's clipped ratio r = pi_theta(y) / pi_sampler(y), clipped to [1 - clip_eps, 1 + clip_eps_high] (None:
+    # clip_eps; DAPO's "clip higher" sets it above clip_eps).
+    clip_eps: Annotated[float, pydantic.Field(gt=0.0, lt=1.0)] = 0.2
+    clip_eps_high: Annotated[float, pydantic.Field(gt=0.0)] | None = None
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high) bounds of the ratio."""
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        return 1.0 - self.clip_eps, 1.0 + high
 
 
 # -- per-position terms (one chunk of student logits, already at the loss temperature) ----------------------
@@ -87,10 +123,10 @@ def _sft_reduce(cfg, logp, terms, batch, mask, weights):
 
 
 def _sampled_opd_reduce(cfg, logp, terms, batch, mask, weights):
-    """Policy gradient with the per-token advantage -(log pi_s(y) - log pi_t(y)) (`loss.gamma`: discounted sum)."""
+    """Policy gradient with the per-token advantage -(log pi_s(y) - log pi_t(y)) (`options.gamma`: discounted sum)."""
     logp_sg = jax.lax.stop_gradient(logp)
     teacher = batch.teacher_target_logprobs_BxT.astype(jnp.float32)
-    adv = opd_advantages(logp_sg, teacher, mask, cfg.gamma)
+    adv = opd_advantages(logp_sg, teacher, mask, cfg.options.gamma)
     metrics = {"divergence": masked_mean(logp_sg - teacher, mask),  # sampled reverse-KL estimate (k1)
                "advantage_mean": masked_mean(adv, mask)}
     return policy_gradient_surrogate(logp, adv), weights, metrics
@@ -121,7 +157,7 @@ def _reinforce_reduce(cfg, logp, terms, batch, mask, weights):
 
 def _grpo_reduce(cfg, logp, terms, batch, mask, weights):
     adv, metrics = _rl_metrics(logp, terms, batch, mask)
-    low, high = cfg.clip_range
+    low, high = cfg.options.clip_range
     per_position, ratio, blocked = clipped_ratio_surrogate(logp, batch.sampler_logprobs_BxT.astype(jnp.float32),
                                                            adv, low, high)
     # the ratio is the IS weight already: is_mode bounds it instead of multiplying a second one in
@@ -135,12 +171,13 @@ def _grpo_reduce(cfg, logp, terms, batch, mask, weights):
 
 OBJECTIVES.add("topk_rkl", Objective(_TOPK, (), _topk_rkl, _support_reduce, support_ids="teacher_topk_ids_BxTxK"))
 OBJECTIVES.add("topk_rkl_tail", Objective(_TOPK, (), _topk_rkl_tail, _support_reduce))
-OBJECTIVES.add("sampled_opd", Objective((), ("teacher_target_logprobs_BxT",), _none, _sampled_opd_reduce))
+OBJECTIVES.add("sampled_opd", Objective((), ("teacher_target_logprobs_BxT",), _none, _sampled_opd_reduce,
+                                        options=SampledOPDOptions))
 _FULL = dict(chunk_fields=("teacher_hidden_BxTxD",), after_fields=(), reads_teacher_head=True)
 OBJECTIVES.add("rkl", Objective(per_position=_full(lambda cfg, s, t: div.reverse_kl(s, t)), **_FULL))
 OBJECTIVES.add("fkl", Objective(per_position=_full(lambda cfg, s, t: div.forward_kl(s, t)), **_FULL))
-OBJECTIVES.add("jsd", Objective(per_position=_full(lambda cfg, s, t: div.generalized_jsd(s, t, cfg.jsd_beta)),
-                                **_FULL))
+OBJECTIVES.add("jsd", Objective(per_position=_full(lambda cfg, s, t: div.generalized_jsd(s, t, cfg.options.beta)),
+                                options=JSDOptions, **_FULL))
 OBJECTIVES.add("sft", Objective((), (), _none, _sft_reduce))
 # RL baselines: advantages from correctness rewards (computed on the host), one per token; grpo's clipped ratio
 # reads the sampler's log-probs of the sampled tokens (the behaviour policy).
@@ -149,4 +186,4 @@ OBJECTIVES.add("reinforce", Objective((), ("advantages_BxT",), _entropy, _reinfo
                                       baselines=("batch_mean", "leave_one_out", "running_mean")))
 OBJECTIVES.add("grpo", Objective((), ("advantages_BxT", "sampler_logprobs_BxT"), _entropy, _grpo_reduce,
                                  advantages=advantages.grpo, grouped=True, reuses_rollouts=True,
-                                 reads_reference=True))
+                                 reads_reference=True, options=GRPOOptions))

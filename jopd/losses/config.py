@@ -1,14 +1,16 @@
-"""`LossConfig`: which per-token objective the trainer minimizes, with its masks and IS correction; `RLConfig`: how
-the RL kinds turn rewards into advantages and how often they reuse a rollout batch."""
+"""`LossConfig`: which per-token objective the trainer minimizes (its kind, and the kind's own `options`), with
+the settings every kind shares: masks, IS correction, temperature, chunking, normalization, and those of the
+shared stages a kind's entry opts into (the teacher's support, the frozen reference). `RLConfig`: how the RL kinds
+turn rewards into advantages and how often they reuse a rollout batch."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 
 from jopd.config_dataclass import config_dataclass
-from jopd.losses.kinds import OBJECTIVES
+from jopd.losses.kinds import OBJECTIVES, kind_options
 from jopd.registry import registered
 
 LossKind = registered(OBJECTIVES)  # the registered kinds (built-ins: `jopd.losses.builtin`; a plugin may add more)
@@ -27,10 +29,17 @@ class LossConfig:
     # both the testbed and the SmolLM2 task, docs/results.md "Which truncated reverse KL");
     # sampled_opd: policy gradient with advantage -(log pi_s(y) - log pi_t(y)) on the sampled token;
     # rkl / fkl / jsd: full-vocabulary divergences (need full teacher logits); sft: cross-entropy on targets;
-    # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`RLConfig`).
+    # reinforce / grpo: RL baselines, policy gradient with per-sequence advantages from rewards (`RLConfig`);
+    # xtok_sampled / xtok_dense: a teacher with another tokenizer (`opd.cross_teacher`): the exact per-span
+    # sampled-token objective (the cross-tokenizer form of sampled_opd), and the truncated reverse KL with a tail
+    # at the span starts against the teacher's distribution projected onto the student's top-K (of topk_rkl_tail).
     kind: LossKind = "topk_rkl_tail"
+    # The kind's own settings, validated by its entry's `options` dataclass (`kinds.kind_options`): e.g.
+    # `{beta: 0.3}` for jsd; None/absent: its defaults. After validation, that dataclass (None: no options).
+    options: Any = None
     top_k: Annotated[int, pydantic.Field(ge=1)] = 32  # K; must match the teacher top-K in the batch
-    # The support S of the topk kinds (orthogonal to renormalized vs tail; other kinds ignore it): the teacher's
+    # The support S of the kinds that read the teacher's support (the topk kinds, a plugin's; orthogonal to
+    # renormalized vs tail; other kinds ignore it; the scoring builds it for whichever kind reads it): the teacher's
     # top-K, or its union with the student's top-K (taken from the sampler's logits at rollout time);
     # `support_sampled` adds the sampled token. The teacher is scored at every id of S; repeated ids count once
     # (`support_mask_BxTxK`). The default is the union: on the teacher's top-K alone the student's mass outside
@@ -38,11 +47,6 @@ class LossConfig:
     # reverse KL").
     support: Literal["teacher_topk", "union"] = "union"
     support_sampled: bool = False
-    # GKD convention: JSD_b = b KL(p_t||m) + (1-b) KL(p_s||m), m = b p_t + (1-b) p_s, with the limits of
-    # JSD_b/b and JSD_b/(1-b) at the ends: b=0 -> forward KL(p_t||p_s), b=1 -> reverse KL(p_s||p_t).
-    jsd_beta: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.5
-    # sampled_opd only: advantage_t = sum_{k>=t} gamma^(k-t) r_k over unmasked k (0 = per-token advantage).
-    gamma: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.0
     # Divides student (and full teacher) logits; must equal the sampler's temperature for IS/mismatch and the
     # temperature given to `teacher_topk`.
     temperature: Annotated[float, _Pos] = 1.0
@@ -52,11 +56,6 @@ class LossConfig:
     is_cap: Annotated[float, _Pos] = 2.0
     icepop_low: Annotated[float, pydantic.Field(ge=0.0)] = 0.5
     icepop_high: Annotated[float, _Pos] = 5.0
-    # A teacher with another tokenizer (`opd.cross_teacher`): off (the two must share the vocabulary); sampled:
-    # the exact per-span sampled-token objective (`xtok_sampled`, in place of sampled_opd); dense: the truncated
-    # reverse KL with a tail at the span starts against the teacher's distribution projected onto the student's
-    # top-K (`xtok_dense`, in place of topk_rkl_tail).
-    cross_tokenizer: Literal["off", "sampled", "dense"] = "off"
     # Positions whose TARGET token is one of these ids are masked out, wherever they occur.
     special_token_ids: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
     # Masked at their first occurrence in each response only (chat-template tokens where the template writes them).
@@ -67,11 +66,8 @@ class LossConfig:
     # Sequence positions per chunk of student logits (peak memory ~ B * chunk_size * V floats; the full-vocabulary
     # kinds, which also project the teacher's logits in each chunk, run chunk_size // 2 positions).
     chunk_size: Annotated[int, pydantic.Field(ge=1)] = 128
-    # RL kinds (reinforce / grpo), per token. grpo: PPO's clipped ratio r = pi_theta(y) / pi_sampler(y),
-    # clipped to [1 - clip_eps, 1 + clip_eps_high] (None: clip_eps; DAPO's "clip higher" sets it above clip_eps).
-    clip_eps: Annotated[float, pydantic.Field(gt=0.0, lt=1.0)] = 0.2
-    clip_eps_high: Annotated[float, _Pos] | None = None  # None: clip_eps
-    # + kl_coef * k3(pi_theta || pi_ref) per token, pi_ref = the run's starting student (frozen)
+    # The kinds that read the frozen reference (`reads_reference`: reinforce, grpo), per token:
+    # + kl_coef * k3(pi_theta || pi_ref), pi_ref = the run's starting student (the step holds it when > 0)
     kl_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0
     # Denominator = rows x response slots (a constant per batch shape) instead of the count of loss tokens
     # (Dr. GRPO: a sequence's weight no longer depends on its own or its batch-mates' lengths).
@@ -86,11 +82,17 @@ class LossConfig:
     def extra_support(self) -> bool:
         return self.support != "teacher_topk" or self.support_sampled
 
-    @pydantic.field_validator("cross_tokenizer", mode="before")
+    @property
+    def cross_tokenizer(self) -> Literal["off", "sampled", "dense"]:
+        """How a teacher with another tokenizer is scored for this kind (its entry's `cross_tokenizer`); off: the
+        kind needs a teacher of the student's vocabulary."""
+        return OBJECTIVES[self.kind].cross_tokenizer or "off"
+
+    @pydantic.field_validator("options")
     @classmethod
-    def _yaml_off(cls, value):
-        # YAML reads a bare `off` (a config file, or `loss.cross_tokenizer=off` on the command line) as false
-        return "off" if value is False else value
+    def _kind_options(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        kind = info.data.get("kind")
+        return value if kind is None else kind_options(kind, value)  # no kind: its own error is reported
 
     @pydantic.field_validator("icepop_high")
     @classmethod
@@ -99,12 +101,6 @@ class LossConfig:
         if low is not None and high <= low:
             raise ValueError(f"must be above icepop_low={low}, got {high}")
         return high
-
-    @property
-    def clip_range(self) -> tuple[float, float]:
-        """(low, high) bounds of the grpo ratio."""
-        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-        return 1.0 - self.clip_eps, 1.0 + high
 
 
 Baseline = Literal["batch_mean", "leave_one_out", "running_mean"]

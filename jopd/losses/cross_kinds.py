@@ -1,5 +1,6 @@
-"""The loss kinds of a teacher with another tokenizer (`loss.cross_tokenizer`; `opd.cross_teacher` fills their
-fields): the student's response and the teacher's tokenization of the same text, cut into aligned spans.
+"""The loss kinds of a teacher with another tokenizer (`loss.kind: xtok_sampled | xtok_dense`; their entries'
+`cross_tokenizer` says what `opd.cross_teacher` writes for them): the student's response and the teacher's
+tokenization of the same text, cut into aligned spans.
 
 - `xtok_sampled` (exact): the cross-tokenizer form of `sampled_opd`. Per aligned span k, the signal
   s_k = log p_student(span k) - log p_teacher(span k) (each the sum of its side's token log-probs in the span, by
@@ -88,7 +89,7 @@ def _dense_reduce(cfg, logp, terms, batch, mask, weights):
 
 
 OBJECTIVES.add("xtok_sampled", Objective((), _SPANS + ("span_teacher_logprobs_BxT",), _none, _sampled_reduce,
-                                         signal_mask=_in_span))
+                                         signal_mask=_in_span, cross_tokenizer="sampled"))
 OBJECTIVES.add("xtok_dense", Objective(("teacher_topk_ids_BxTxK", "teacher_topk_logprobs_BxTxK", "support_mask_BxTxK"),
                                        ("dense_mask_BxT",) + _SPANS, _dense_terms, _dense_reduce, student_support=True,
-                                       signal_mask=_at_span_start))
+                                       signal_mask=_at_span_start, cross_tokenizer="dense"))

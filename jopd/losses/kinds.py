@@ -3,16 +3,19 @@ to know about it — its per-position terms, its reduction, its advantages (RL k
 batch. `LossConfig.kind` validates against this registry, so a kind registered from a user's module (see
 docs/extending.md) is configured, scored and trained exactly like a built-in one.
 
-    OBJECTIVES.add("my_kind", Objective(chunk_fields=(...), after_fields=(), per_position=fn, reduce=...))
+    OBJECTIVES.add("my_kind", Objective(chunk_fields=(...), after_fields=(), per_position=fn, reduce=...,
+                                        options=MyOptions))
 
-Built-in kinds: `jopd.losses.builtin`.
+A kind's own settings are its `options`, a config dataclass that validates `loss.options` when the config is
+loaded (`cfg.options` is then that dataclass); `LossConfig` keeps what the shared machinery reads for every kind.
+Built-in kinds: `jopd.losses.builtin`, `jopd.losses.cross_kinds`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 
@@ -61,7 +64,10 @@ class Objective:
     teacher's logits one chunk at a time (the full-vocabulary kinds: no [B, N, V] teacher tensor exists).
     `signal_mask`: the positions that carry the kind's signal, when fewer than the loss mask's (the
     cross-tokenizer kinds: aligned ones); the loss, its normalization and every metric then count only them, so
-    rows without a signal neither add to nor dilute the step."""
+    rows without a signal neither add to nor dilute the step.
+    `options`: a config dataclass of the kind's own settings (validates `loss.options`; None: the kind takes
+    none). `cross_tokenizer`: a kind for a teacher with another tokenizer, and what that teacher writes for it
+    (`sampled`: per-span log-probs; `dense`: the projected support; `opd.cross_teacher`)."""
 
     chunk_fields: tuple[str, ...]
     after_fields: tuple[str, ...]
@@ -76,6 +82,8 @@ class Objective:
     reads_teacher_head: bool = False  # per chunk, `inputs["teacher_head"]`: the teacher's LM head (no gradient)
     student_support: bool = False  # the sampler hands over the student's top-K ids per step (its support)
     signal_mask: SignalMask | None = None
+    options: type | None = None
+    cross_tokenizer: Literal["sampled", "dense"] | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -95,3 +103,30 @@ class Objective:
 
 
 OBJECTIVES: Registry[Objective] = Registry("loss kind")
+
+
+def kind_options(kind: str, value: Any):
+    """`loss.options` validated by the kind's own options dataclass (its defaults when none are given); None for
+    a kind without options. An error is one line naming the option (`ConfigError("beta: ...")`, relative to
+    `loss.options`) or the mismatch (`ValueError`)."""
+    from jopd.config_dataclass import ConfigError, build
+
+    options = OBJECTIVES[kind].options
+    if options is None:
+        if value is not None and value != {}:
+            got = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ValueError(f"loss kind {kind!r} takes no options, got {got}")
+        return None
+    if isinstance(value, options):
+        return value
+    if dataclasses.is_dataclass(value):  # another kind's options (e.g. `dataclasses.replace` of the kind alone)
+        raise ValueError(f"{type(value).__name__} is not the options of loss kind {kind!r} ({options.__name__})")
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of loss kind {kind!r}'s options, got {value!r}")
+    try:
+        return build(options, dict(value or {}), where="options")
+    except ConfigError as e:
+        field, _, msg = str(e).partition(": ")
+        if field.startswith("options."):
+            raise ConfigError(f"{field[len('options.'):]}: {msg}") from None
+        raise ValueError(msg) from None

@@ -40,7 +40,8 @@ from jopd.models.hf_io import INDEX_FILE, SINGLE_FILE, read_hf_config
 from jopd.losses.chunked import head_params
 from jopd import crosstok
 from jopd.opd.batch import RolloutArrays, scoring_input, with_sampler_full_logprobs
-from jopd.opd.cross_teacher import TEACHER_SLACK, CrossTeacher, cross_batch_shapes
+from jopd.opd import validate
+from jopd.opd.cross_teacher import CrossTeacher, cross_batch_shapes
 from jopd.opd.roofline import CHIP_PEAKS, Cost, Roofline, chip_of
 from jopd.opd.step import OPDStep, build_step, rollouts_per_prompt
 from jopd.sampling.sampler import RowRandomness
@@ -123,7 +124,7 @@ def model_config_of(src: ModelSource, role: str, tokenizer=None) -> ModelConfig:
 
 
 def cross_tokenizers(cfg: RunConfig) -> tuple[Any, tuple[Any, ...]]:
-    """(student tokenizer, each teacher's) of a run with `loss.cross_tokenizer`, as `jopd train` loads them; None
+    """(student tokenizer, each teacher's) of a run with a cross-tokenizer kind, as `jopd train` loads them; None
     for a model given by a directory without tokenizer files (a config-only `configs/arch/<name>/`)."""
     from jopd.data.toy_tokenizer import build_toy_tokenizer
     from jopd.opd import model_sources
@@ -134,7 +135,7 @@ def cross_tokenizers(cfg: RunConfig) -> tuple[Any, tuple[Any, ...]]:
         except FileNotFoundError:
             return None
 
-    teachers = tuple(get(lambda s: model_sources._own_tokenizer(s) or build_toy_tokenizer(), src)
+    teachers = tuple(get(lambda s: model_sources.model_tokenizer(s) or build_toy_tokenizer(), src)
                      for src in cfg.teacher_sources())
     return get(model_sources.run_tokenizer, cfg), teachers
 
@@ -354,21 +355,8 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     t_cfg = t_cfgs[0]
     cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else None
     own_tok = cross if isinstance(cross, tuple) else (cross,) * len(roles)  # None: the student's vocabulary
-    for (role, _), m, c in zip(roles, t_cfgs, own_tok):
-        if c is None and s_cfg.vocab_size != m.vocab_size:
-            raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={m.vocab_size}, "
-                             f"student vocab_size={s_cfg.vocab_size} ("
-                             + (f"its tokenizer is the student's: give it its own, {role}.tokenizer)" if crossed else
-                                "a teacher with another tokenizer: set loss.cross_tokenizer)"))
-    context = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
-    for role, m in [("student", s_cfg)] + [(r, m) for (r, _), m in zip(roles, t_cfgs)]:
-        m.check_context(context, f"data.max_prompt_len + sampling.max_new_tokens = {context}", role)
-    # a teacher with another tokenizer scores its own rows: its prompt (max_prompt_len) + response
-    # (max_new_tokens + TEACHER_SLACK)
-    for (role, _), m, c in zip(roles, t_cfgs, own_tok):
-        if c is not None:
-            m.check_context(context + TEACHER_SLACK, f"data.max_prompt_len + sampling.max_new_tokens + "
-                            f"{TEACHER_SLACK} = {context + TEACHER_SLACK}", role)
+    # the vocabularies and the contexts, as `jopd train` checks them
+    validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))
     mesh = meshlib.make_mesh(cfg.mesh, devices)
     step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfg, mesh, cross=cross)
     inputs = step_inputs(step)

@@ -25,7 +25,7 @@ from jopd.opd.aot import StageReport, StepInputs, _abstract, _cache, _compile, s
 from jopd.opd.batch import scoring_input
 from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.opd.run_config import RunConfig
-from jopd.losses.objectives import loss_chunk
+from jopd.losses.compute import loss_chunk
 from jopd.opd.step import OPDStep, build_step
 from jopd.sampling.sampler import choose_tokens, step_logits
 from jopd.sampling.slots import slot_iterations

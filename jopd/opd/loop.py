@@ -20,13 +20,14 @@ from tqdm.auto import tqdm
 
 from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import special_token_ids
-from jopd.losses.objectives import OBJECTIVES, per_task_means
+from jopd.losses.compute import per_task_means
 from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
 from jopd.opd.evaluate import compare_table, evaluate_heldout
 from jopd.opd.guards import RunGuard, loggable
 from jopd.opd.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.cross_teacher import misaligned_summary
-from jopd.opd.model_sources import (check_compatible, cross_teachers, get_model, get_teachers, precheck_sources,
+from jopd.opd import validate
+from jopd.opd.model_sources import (cross_teachers, get_model, get_teachers, precheck_sources,
                                    run_tokenizer, teacher_tokenizers)
 from jopd.opd.run_config import RunConfig, to_yaml
 from jopd.opd.step import OPDStep, build_step
@@ -55,10 +56,8 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     precheck_sources(cfg)  # vocab / template mismatch, missing files: fail before any compute
     mesh = meshlib.make_mesh(cfg.mesh)  # a mesh the devices cannot form fails here, before any model is trained
     tokenizer = run_tokenizer(cfg)
-    if OBJECTIVES[cfg.loss.kind].needs_teacher_topk and cfg.loss.top_k > len(tokenizer):
-        raise ValueError(f"RunConfig.loss.top_k={cfg.loss.top_k}: larger than the vocabulary ({len(tokenizer)} "
-                         f"tokens)")
-    t_toks = teacher_tokenizers(cfg)  # the student's, unless loss.cross_tokenizer
+    validate.check_tokenizer(cfg, tokenizer)  # where it is first read: before any model is trained
+    t_toks = teacher_tokenizers(cfg)  # the student's, unless a cross-tokenizer loss.kind
     if cfg.teachers:  # several: a tuple of each, in `teachers` order (`opd.teachers`)
         teacher_cfg, teacher_params, t_from = get_teachers(cfg, t_toks)
         t_from = ", ".join(f"{t.name} {where}" for t, where in zip(cfg.teachers, t_from))
@@ -66,14 +65,13 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
         teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, t_toks[0])
     student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
     t_cfgs = teacher_cfg if cfg.teachers else (teacher_cfg,)
-    if cfg.loss.cross_tokenizer == "off":
-        for i, t_cfg in enumerate(t_cfgs):
-            check_compatible(student_cfg, t_cfg, None, None, f"teachers[{i}]" if cfg.teachers else "teacher")
     cross = cross_teachers(cfg, tokenizer, t_toks, student_cfg, t_cfgs)
+    # the testbed models' configs exist now (their vocabulary is their tokenizer's)
+    validate.check_models(cfg, student_cfg, t_cfgs, validate.own_tokenizers(cross, len(t_cfgs)))
     log(f"teacher{'s' if cfg.teachers else ''}: {t_from}  student: {s_from}")
     if isinstance(cross, tuple):  # several teachers of a cross-tokenizer run: which ones align their rows
         own = [t.name for t, c in zip(cfg.teachers, cross) if c is not None]
-        log(f"loss.cross_tokenizer={cfg.loss.cross_tokenizer}: with their own tokenizer {', '.join(own) or 'none'}; "
+        log(f"loss.kind={cfg.loss.kind}: with their own tokenizer {', '.join(own) or 'none'}; "
             f"the others score the student's tokens directly")
     idle = [t.name for t in cfg.teachers if cfg.routing == "task" and not t.tasks]
     if idle:  # held (e.g. the other routings of a study share the config), but it scores no row
@@ -121,9 +119,6 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
     if cfg.train.probe_every and probe_hook is None:
         raise ValueError("RunConfig.train.probe_every: needs the probe hook (train(cfg, probe_hook=...); `jopd "
                          "train` passes jopd.lab.probe.training_probe)")
-    if cfg.train.probe_every and cfg.loss.cross_tokenizer != "off":
-        raise ValueError(f"RunConfig.train.probe_every: the probe feeds the teacher the student's token ids; not "
-                         f"with loss.cross_tokenizer={cfg.loss.cross_tokenizer}")
     out_dir = Path(cfg.train.out_dir)
     try:  # an output directory that cannot be written fails now, before any compute
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Getting the run's teacher, student and tokenizer: load checkpoints (optionally fine-tuned on the task), or
 the CPU-testbed models (`warm_start`: trained by SFT once, then cached). Mismatched teacher/student vocabularies or chat templates are
-rejected here, before any compute.
+rejected here, before any compute (`precheck_sources`, with `opd.validate`'s checks of the models' configs).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from jopd.data.mixture import task_sources
 from jopd.data.pipeline import DataConfig
 from jopd.data.tasks import TASKS
 from jopd.opd.run_config import ModelSource, RunConfig, TeacherSource
+from jopd.opd.validate import check_compatible, check_models
 
 
-def _own_tokenizer(src: ModelSource):
+def model_tokenizer(src: ModelSource):
     """A model's tokenizer: its `tokenizer` setting, else its checkpoint's, else None (a testbed model)."""
     if src.tokenizer is not None:
         return io.load_tokenizer(src.tokenizer)
@@ -32,7 +33,7 @@ def run_tokenizer(cfg: RunConfig):
     the models share it: the (first) teacher's, else the student's, else the toy one."""
     sources = (cfg.student,) if cfg.loss.cross_tokenizer != "off" else (*cfg.teacher_sources(), cfg.student)
     for src in sources:
-        tok = _own_tokenizer(src)
+        tok = model_tokenizer(src)
         if tok is not None:
             return tok
     return build_toy_tokenizer()
@@ -43,7 +44,7 @@ def teacher_tokenizers(cfg: RunConfig) -> tuple[Any, ...]:
     (its `tokenizer`, else its checkpoint's, else the toy one)."""
     if cfg.loss.cross_tokenizer == "off":
         return (run_tokenizer(cfg),) * len(cfg.teacher_sources())
-    return tuple(_own_tokenizer(src) or build_toy_tokenizer() for src in cfg.teacher_sources())
+    return tuple(model_tokenizer(src) or build_toy_tokenizer() for src in cfg.teacher_sources())
 
 
 def teacher_tokenizer(cfg: RunConfig):
@@ -142,57 +143,26 @@ def precheck_sources(cfg: RunConfig) -> None:
         elif src.num_layers is not None:
             raise ValueError(f"RunConfig.{role}.num_layers: only applies to a checkpoint `path` (the testbed "
                              f"recipe sets its size in `arch`)")
+    own = [False] * len(roles)
     if cfg.loss.cross_tokenizer != "off":  # another tokenizer: the pair must align (one line if not)
         from jopd import crosstok
 
         student_tok = run_tokenizer(cfg)
-        for (role, _), tok in zip(roles, teacher_tokenizers(cfg)):
+        for i, ((role, _), tok) in enumerate(zip(roles, teacher_tokenizers(cfg))):
             if cfg.teachers and shares_vocabulary(student_tok, tok):  # scored directly: one vocabulary
-                if role in cfgs and "student" in cfgs:
-                    check_compatible(cfgs["student"], cfgs[role], None, None, role)
                 continue
+            own[i] = True
             try:
                 crosstok.check_pair(student_tok, tok)
             except crosstok.PairError as e:
-                where = f"{role}.tokenizer" if cfg.teachers else "loss.cross_tokenizer"
-                raise ValueError(f"RunConfig.{where}: {e}" + (" (loss.cross_tokenizer)" if cfg.teachers else "")
+                where = f"{role}.tokenizer" if cfg.teachers else "loss.kind"
+                raise ValueError(f"RunConfig.{where}: {e}" + (f" (loss.kind={cfg.loss.kind})" if cfg.teachers else "")
                                  ) from None
-    elif "student" in cfgs:
-        for role, _ in roles:
+    check_models(cfg, cfgs.get("student"), [cfgs.get(role) for role, _ in roles], own)
+    if cfg.loss.cross_tokenizer == "off" and "student" in cfgs:  # same size: the same ids and chat template too
+        for role, src in roles:
             if role in cfgs:
-                check_compatible(cfgs["student"], cfgs[role], None, None, role)
                 check_compatible(cfgs["student"], cfgs[role], run_tokenizer(cfg),
-                                 _own_tokenizer(dict(roles)[role]) or teacher_tokenizer(cfg), role)
-    _check_contexts(cfg, roles, cfgs)
+                                 model_tokenizer(src) or teacher_tokenizer(cfg), role)
 
 
-def _check_contexts(cfg: RunConfig, roles: list[tuple[str, ModelSource]], loaded: dict[str, ModelConfig]) -> None:
-    """Each model that counts the student's tokens must hold the longest prompt plus the longest answer, checked
-    before a teacher's SFT warm start (an hour for the long testbed task) rather than at the first long prompt.
-    A teacher with another tokenizer counts other tokens and is not checked here."""
-    answer = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens)
-    need = cfg.data.max_prompt_len + answer
-    same_tokens = roles if cfg.loss.cross_tokenizer == "off" else []
-    for role, src in same_tokens + [("student", cfg.student)]:
-        context = loaded[role].max_position_embeddings if role in loaded else (
-            None if src.path is not None else src.arch.max_position_embeddings)
-        if context is not None and need > context:
-            where = f"{role}.path" if src.path is not None else f"{role}.arch.max_position_embeddings"
-            raise ValueError(f"RunConfig.{where}: a context of {context} tokens cannot hold data.max_prompt_len "
-                             f"{cfg.data.max_prompt_len} + the longest answer {answer} (sampling.max_new_tokens, "
-                             f"train.eval_max_new_tokens) = {need}")
-
-
-def check_compatible(student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_tok, teacher_tok,
-                     role: str = "teacher") -> None:
-    """Distillation compares distributions token by token: the two models must share the vocabulary. `role`
-    names the teacher in the error (`teachers[1]` of several)."""
-    if student_cfg.vocab_size != teacher_cfg.vocab_size:
-        raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={teacher_cfg.vocab_size}, "
-                         f"student vocab_size={student_cfg.vocab_size} (a teacher with another tokenizer: set "
-                         f"loss.cross_tokenizer)")
-    if student_tok is not None and teacher_tok is not None:
-        if student_tok.get_vocab() != teacher_tok.get_vocab():
-            raise ValueError(f"{role}/student tokenizer mismatch: same size but different token ids")
-        if (student_tok.chat_template or "") != (teacher_tok.chat_template or ""):
-            raise ValueError(f"{role}/student chat_template mismatch: prompts would be formatted differently")

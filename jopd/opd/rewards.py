@@ -59,12 +59,3 @@ def repeat_for_groups(batch: dict[str, np.ndarray], group_size: int) -> dict[str
     """Each prompt row repeated `group_size` times, consecutively (the layout `grpo_advantages` expects)."""
     return {k: np.repeat(v, group_size, axis=0) for k, v in batch.items()}
 
-
-def check_rl_config(kind: str, objective: Objective, cfg: RLConfig) -> None:
-    """Settings that only some kinds honour (their entries say which): one-line errors, not ignored knobs."""
-    if cfg.inner_updates > 1 and not objective.reuses_rollouts:
-        raise ValueError(f"RunConfig.rl.inner_updates={cfg.inner_updates}: loss.kind={kind} does not reuse a rollout "
-                         f"batch (grpo does: its clipped ratio accounts for the policy's change)")
-    if cfg.baseline != "batch_mean" and cfg.baseline not in objective.baselines:
-        raise ValueError(f"RunConfig.rl.baseline={cfg.baseline}: loss.kind={kind} does not use it (reinforce does; "
-                         f"grpo's baseline is its group mean)")

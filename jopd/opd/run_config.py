@@ -1,7 +1,8 @@
 """Run config: the components' own configs composed into one, loaded from YAML with `key=value` overrides.
 
 Validation is strict (unknown key or wrong type -> one line naming it, e.g. `RunConfig.loss.top_k: Input
-should be greater than or equal to 1`), and happens before any model is loaded or any compute starts.
+should be greater than or equal to 1`), and happens before any model is loaded or any compute starts: the
+fields' own checks, then `opd.validate.check_run` (settings that do not go together).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jopd.losses import LossConfig, RLConfig
 from jopd.models.families import FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
+from jopd.opd.validate import check_run
 from jopd.sampling.precision import PrecisionConfig
 from jopd.sampling.sampler import SamplingConfig
 
@@ -68,7 +70,7 @@ class ModelSource:
     dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer
     # The model's tokenizer when it is not the checkpoint's own (an HF directory or .gguf); None: the
     # checkpoint's, or the toy tokenizer for a testbed model. A teacher's may differ from the student's with
-    # loss.cross_tokenizer (each of several teachers its own: one sharing the student's is scored directly).
+    # a cross-tokenizer loss.kind (each of several teachers its own: one sharing the student's is scored directly).
     tokenizer: str | None = None
 
     def resolved_warm_start(self) -> WarmStartConfig:
@@ -167,8 +169,7 @@ class RunConfig:
     train: TrainConfig = TrainConfig()
 
     def __post_init__(self):
-        if self.teachers:
-            _check_teachers(self)
+        check_run(self)  # every check the config alone decides (`opd.validate`), whenever a config is built
 
     def teacher_sources(self) -> tuple[TeacherSource, ...]:
         """The run's teachers: `teachers`, or `teacher` alone (named "teacher")."""
@@ -176,41 +177,6 @@ class RunConfig:
             return self.teachers
         return (TeacherSource(**{f.name: getattr(self.teacher, f.name) for f in dataclasses.fields(ModelSource)},
                               name="teacher"),)
-
-
-def _check_teachers(cfg: RunConfig) -> None:
-    """`teachers` against the rest of the config: names, routing, and (routing=task) one teacher per task."""
-    from jopd.data.mixture import task_sources
-
-    if cfg.teacher != ModelSource():
-        raise ConfigError("teacher: set `teacher` or `teachers`, not both")
-    names = [t.name for t in cfg.teachers]
-    for i, name in enumerate(names):
-        if not name:
-            raise ConfigError(f"teachers[{i}].name: every teacher needs a name")
-        if name in names[:i] or name in ("task", "mixture"):
-            raise ConfigError(f"teachers[{i}].name: {name!r} is taken (names are unique, and not task / mixture)")
-    if cfg.routing not in ("task", "mixture", *names):
-        raise ConfigError(f"routing: {cfg.routing!r} is not task, mixture or a teacher's name ({', '.join(names)})")
-    if cfg.loss.cross_tokenizer != "off" and cfg.routing == "mixture" and len(cfg.teachers) > 1:
-        raise ConfigError(f"routing: mixture is not available with loss.cross_tokenizer={cfg.loss.cross_tokenizer} "
-                         f"(a mixture adds the teachers' probabilities of one next token; route by task or to one "
-                         f"teacher)")
-    tasks = [s.name for s in task_sources(cfg.data)]
-    owner: dict[str, str] = {}
-    for i, t in enumerate(cfg.teachers):
-        for task in t.tasks:
-            if task not in tasks:
-                raise ConfigError(f"teachers[{i}].tasks: {task!r} is not one of the run's tasks ({', '.join(tasks)}; "
-                                 f"data.mix or data.task)")
-            if task in owner:
-                raise ConfigError(f"teachers[{i}].tasks: {task!r} already belongs to teacher {owner[task]!r}")
-            owner[task] = t.name
-    if cfg.routing == "task":
-        missing = [task for task in tasks if task not in owner]
-        if missing:
-            raise ConfigError(f"routing: task needs a teacher for every task; {', '.join(map(repr, missing))} has "
-                             f"none (list it in one teacher's `tasks`)")
 
 
 def _parse_value(text: str) -> Any:
@@ -238,14 +204,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-# The RL kinds' per-token settings, once `rl.*` (and copied into `loss.*` by the step), now `loss.*` only.
-_MOVED_TO_LOSS = ("clip_eps", "clip_eps_high", "kl_coef", "token_sum_norm")
+# The RL kinds' per-token settings, once `rl.*` (and copied into `loss.*` by the step), then `loss.*` (their
+# defaults then): clip_eps / clip_eps_high have since moved on to grpo's options (`_MOVED_TO_OPTIONS`).
+_MOVED_TO_LOSS = {"clip_eps": 0.2, "clip_eps_high": None, "kl_coef": LossConfig().kl_coef,
+                  "token_sum_norm": LossConfig().token_sum_norm}
+# Kind-specific settings, once fields of `loss` (the union of every built-in kind's), now the kind's `loss.options`:
+# old key -> (the kind that read it, its option, the old default)
+_MOVED_TO_OPTIONS = {"jsd_beta": ("jsd", "beta", 0.5), "gamma": ("sampled_opd", "gamma", 0.0),
+                     "clip_eps": ("grpo", "clip_eps", 0.2), "clip_eps_high": ("grpo", "clip_eps_high", None)}
+# `loss.cross_tokenizer: sampled | dense` selected the cross-tokenizer kinds beside `loss.kind`; they are kinds now:
+# the old value -> (the kind, the kinds `loss.kind` could name beside it: its same-tokenizer form, the default)
+_CROSS_KINDS = {"sampled": ("xtok_sampled", ("sampled_opd", "xtok_sampled", "topk_rkl_tail")),
+                "dense": ("xtok_dense", ("topk_rkl_tail", "xtok_dense"))}
 
 
 def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
     """Configs saved by earlier versions (a run's config.yaml) still load: `train.mask_special_tokens: true` was
     what `train.mask: all_special` is now; `rl.clip_eps` / `clip_eps_high` / `kl_coef` / `token_sum_norm` are
-    `loss.*` now (a saved config holds both copies, the `loss.*` one at its default: the `rl.*` one counts)."""
+    `loss.*` now (a saved config holds both copies, the `loss.*` one at its default: the `rl.*` one counts);
+    the kind-specific `loss.*` settings are the kind's `loss.options` and `loss.cross_tokenizer` is `loss.kind`
+    (`_upgrade_loss`)."""
     train = data.get("train")
     if isinstance(train, dict) and "mask_special_tokens" in train and "mask" not in train:
         train = dict(train)
@@ -254,17 +232,52 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
     rl = data.get("rl")
     if isinstance(rl, dict) and any(k in rl for k in _MOVED_TO_LOSS):
         rl, loss = dict(rl), dict(data.get("loss") or {})
-        default = LossConfig()
-        for k in _MOVED_TO_LOSS:
+        for k, default in _MOVED_TO_LOSS.items():
             if k not in rl:
                 continue
-            value, mine = rl.pop(k), loss.get(k, getattr(default, k))
-            if value != getattr(default, k):
-                if mine != getattr(default, k) and mine != value:
+            value, mine = rl.pop(k), loss.get(k, default)
+            if value != default:
+                if mine != default and mine != value:
                     raise ConfigError(f"RunConfig.rl.{k}={value} and loss.{k}={mine}: set loss.{k} only")
                 loss[k] = value
         data = dict(data, rl=rl, loss=loss)
+    loss = data.get("loss")
+    if isinstance(loss, dict) and ("cross_tokenizer" in loss or any(k in loss for k in _MOVED_TO_OPTIONS)):
+        data = dict(data, loss=_upgrade_loss(dict(loss)))
     return data
+
+
+def _upgrade_loss(loss: dict[str, Any]) -> dict[str, Any]:
+    """`loss.cross_tokenizer` and the kind-specific `loss.*` settings, as an earlier version wrote them, in their
+    new places. A saved config holds every field: one at its old default says nothing and is dropped; another
+    value moves where it belongs when the run's kind is the one that read it, else it is one line naming its new
+    place."""
+    kind = loss.get("kind", LossConfig().kind)
+    cross = loss.pop("cross_tokenizer", None)
+    if cross not in (None, False, "off"):
+        if cross not in _CROSS_KINDS:
+            raise ConfigError(f"RunConfig.loss.cross_tokenizer: {cross!r}: a teacher with another tokenizer is a loss "
+                              f"kind now: loss.kind=xtok_dense or xtok_sampled")
+        new, allowed = _CROSS_KINDS[cross]
+        if kind not in allowed:
+            raise ConfigError(f"RunConfig.loss.cross_tokenizer={cross}: runs {new} (the cross-tokenizer form of "
+                              f"{allowed[0]}), now loss.kind={new}; got loss.kind={kind}")
+        loss["kind"] = kind = new
+    for key in [k for k in _MOVED_TO_OPTIONS if k in loss]:
+        owner, option, default = _MOVED_TO_OPTIONS[key]
+        value = loss.pop(key)
+        if value == default:
+            continue
+        options = loss.get("options")
+        if kind != owner or not isinstance(options or {}, dict):
+            raise ConfigError(f"RunConfig.loss.{key}: now loss.options.{option} of loss.kind={owner} (loss.kind="
+                              f"{kind} does not read it)")
+        options = dict(options or {})
+        if options.get(option, value) != value:
+            raise ConfigError(f"RunConfig.loss.{key}={value} and loss.options.{option}={options[option]}: set "
+                              f"loss.options.{option} only")
+        loss["options"] = dict(options, **{option: value})
+    return loss
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:

@@ -45,11 +45,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jopd.data.mixture import task_sources
 from jopd.losses import LossConfig
 from jopd.losses.chunked import head_params
-from jopd.losses.objectives import OBJECTIVES, Objective, needs_reference
+from jopd.losses.compute import needs_reference
+from jopd.losses.kinds import OBJECTIVES, Objective
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.opd import packing, rewards, teachers
+from jopd.opd import packing, rewards, teachers, validate
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
 from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sampler_full_logprobs
 from jopd.opd.optim import make_optimizer
@@ -133,40 +134,23 @@ class Rollout:
 def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
     """Fill run-dependent loss fields: the masked target tokens (`train.mask`, from the tokenizer; EOS is always
     trained, so the student keeps learning when to stop), the sampler's temperature (the loss compares
-    distributions at it), and the run's tasks when it mixes several (per-task metrics)."""
+    distributions at it), and the run's tasks when it mixes several (per-task metrics). A cross-tokenizer kind's
+    support is the projected one (the student's top-K ids, K of them): `loss.support` does not apply to it."""
     from jopd.data.toy_tokenizer import special_token_ids
 
+    validate.check_tokenizer(cfg, tokenizer)
     special, template = cfg.loss.special_token_ids, cfg.loss.template_token_ids
     if tokenizer is not None and not special and cfg.train.mask == "all_special":
         special = tuple(sorted(set(special_token_ids(tokenizer)) - {tokenizer.eos_token_id}))
     if tokenizer is not None and not template and cfg.train.mask == "template_first" and cfg.train.template_tokens:
         vocab = tokenizer.get_vocab()
-        unknown = [t for t in cfg.train.template_tokens if t not in vocab]
-        if unknown:
-            raise ValueError(f"RunConfig.train.template_tokens: {unknown} not in the tokenizer's vocabulary")
         template = tuple(sorted({vocab[t] for t in cfg.train.template_tokens} - {tokenizer.eos_token_id}))
     tasks = tuple(s.name for s in task_sources(cfg.data))
     loss = dataclasses.replace(cfg.loss, special_token_ids=special, template_token_ids=template,
                                temperature=cfg.sampling.temperature, task_names=tasks if len(tasks) > 1 else ())
-    return cross_tokenizer_loss(loss)
-
-
-# loss.cross_tokenizer -> (the kind that runs, the kinds a user may have set for it)
-_CROSS_KINDS = {"sampled": ("xtok_sampled", ("sampled_opd", "xtok_sampled", LossConfig().kind)),
-                "dense": ("xtok_dense", ("topk_rkl_tail", "xtok_dense"))}
-
-
-def cross_tokenizer_loss(loss: LossConfig) -> LossConfig:
-    """With `loss.cross_tokenizer`, its kind: sampled -> xtok_sampled (sampled_opd across tokenizers), dense ->
-    xtok_dense (topk_rkl_tail on the projected support: the student's top-K ids, K of them). `loss.kind` may be
-    left at its default or name the kind's same-tokenizer form; another kind is an error."""
-    if loss.cross_tokenizer == "off":
-        return loss
-    kind, allowed = _CROSS_KINDS[loss.cross_tokenizer]
-    if loss.kind not in allowed:
-        raise ValueError(f"RunConfig.loss.cross_tokenizer={loss.cross_tokenizer}: runs {kind} (the cross-tokenizer "
-                         f"form of {allowed[0]}); got loss.kind={loss.kind}")
-    return dataclasses.replace(loss, kind=kind, support="teacher_topk", support_sampled=False)
+    if loss.cross_tokenizer != "off":
+        loss = dataclasses.replace(loss, support="teacher_topk", support_sampled=False)
+    return loss
 
 
 # Metrics that describe the rollout against the trainer's params at the weight sync: with several inner
@@ -421,11 +405,9 @@ class OPDStep:
 
 
 def rollouts_per_prompt(cfg: RunConfig) -> int:
-    """G, the rollouts of each prompt per step: GRPO's `rl.group_size`, else `sampling.samples_per_prompt`."""
+    """G, the rollouts of each prompt per step: GRPO's `rl.group_size`, else `sampling.samples_per_prompt` (the two
+    agree: `validate.check_run`)."""
     if OBJECTIVES[cfg.loss.kind].grouped:
-        if cfg.sampling.samples_per_prompt not in (1, cfg.rl.group_size):
-            raise ValueError(f"RunConfig.sampling.samples_per_prompt={cfg.sampling.samples_per_prompt}: loss.kind="
-                             f"{cfg.loss.kind} samples rl.group_size={cfg.rl.group_size} rollouts per prompt")
         return cfg.rl.group_size
     return cfg.sampling.samples_per_prompt
 
@@ -472,7 +454,7 @@ def _check_cross_teachers(cfg: RunConfig, s_cfg: ModelConfig, t_cfg, cross) -> N
             raise ValueError("build_step: `cross` is a tuple, but the run has one `teacher`")
         return
     if not isinstance(cross, tuple) or len(cross) != len(cfg.teachers):
-        raise ValueError(f"build_step: {len(cfg.teachers)} teachers with loss.cross_tokenizer need `cross` as a tuple "
+        raise ValueError(f"build_step: {len(cfg.teachers)} teachers with loss.kind={cfg.loss.kind} need `cross` as a tuple "
                          f"of as many (None: a teacher of the student's vocabulary)")
     for i, (c, m) in enumerate(zip(cross, t_cfg)):
         if c is None and m.vocab_size != s_cfg.vocab_size:
@@ -491,33 +473,16 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[Mo
     """The step of `cfg`: its loss config is `cfg.loss` resolved against the run (`resolve_loss_config`: masks
     from `tokenizer`, the sampler's temperature) — one config path, so a caller that wants another loss passes
     another `cfg`. `tokenizer` (the student's) also decodes responses for the RL kinds' rewards (None: no
-    masks, no rewards). `cross`: a teacher with another tokenizer (`loss.cross_tokenizer`; `cross_teacher`).
+    masks, no rewards). `cross`: a teacher with another tokenizer (a cross-tokenizer `loss.kind`; `cross_teacher`).
     With `cfg.teachers`, `t_cfg` is their configs in order (`opd.teachers`)."""
     loss_cfg = resolve_loss_config(cfg, tokenizer)
     objective = OBJECTIVES[loss_cfg.kind]
     if isinstance(t_cfg, tuple) != bool(cfg.teachers) or (cfg.teachers and len(t_cfg) != len(cfg.teachers)):
         raise ValueError(f"build_step: {len(cfg.teachers)} teachers in RunConfig.teachers, but t_cfg is "
                          f"{'a tuple of ' + str(len(t_cfg)) if isinstance(t_cfg, tuple) else 'one ModelConfig'}")
-    several = cfg.teachers and cfg.routing in ("task", "mixture") and len(cfg.teachers) > 1
-    if several and (objective.needs_teacher_hidden or objective.reads_teacher_head):
-        raise ValueError(f"RunConfig.routing={cfg.routing}: loss.kind={loss_cfg.kind} projects one teacher's hidden "
-                         f"states with its head; with several teachers use a support kind (topk_rkl_tail, "
-                         f"topk_rkl, sampled_opd) or route to one teacher")
-    if several and cfg.train.pack:
-        raise ValueError(f"RunConfig.train.pack: not with routing={cfg.routing} over several teachers (a packed "
-                         f"row mixes rows of different teachers)")
-    if (cross is None) != (loss_cfg.cross_tokenizer == "off"):
-        raise ValueError(f"RunConfig.loss.cross_tokenizer={loss_cfg.cross_tokenizer}: "
-                         + ("needs the teacher's tokenizer (build_step's `cross`)" if cross is None else
-                            "is off, but the step was given a cross-tokenizer teacher"))
+    validate.check_cross(cfg, cross)  # the config's own checks ran when it was built (`validate.check_run`)
     if cross is not None:
         _check_cross_teachers(cfg, s_cfg, t_cfg, cross)
-    if cross is not None and cfg.train.pack:
-        raise ValueError("RunConfig.train.pack: not with loss.cross_tokenizer (the teacher scores its own sequences)")
-    if cfg.train.pack and cfg.optim.grad_accum_steps > 1:
-        raise ValueError(f"RunConfig.train.pack: not with optim.grad_accum_steps={cfg.optim.grad_accum_steps} (a "
-                         f"packed row holds several rollouts; micro-batches would split its packing)")
-    rewards.check_rl_config(loss_cfg.kind, objective, cfg.rl)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)

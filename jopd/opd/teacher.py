@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int
 from jopd.losses import LossBatch, LossConfig
 from jopd.losses.chunked import chunked_logits_map, chunked_map, head_params
 from jopd.losses.kinds import OBJECTIVES
-from jopd.losses.objectives import compact_fields
+from jopd.losses.compute import compact_fields
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.losses.layout import compact_chunk, from_compact, to_compact

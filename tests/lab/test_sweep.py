@@ -147,7 +147,7 @@ def test_only_runs_with_the_same_student_teacher_and_eval_share_the_before_eval(
     key = lambda *o: sweeplib._before_eval_key(load_config(None, list(o)))  # noqa: E731
     assert key() == key("rollout_precision.logit_noise=3.0", "train.seed=1", "loss.kind=rkl")  # the bracket's setups
     assert key() != key("teacher.arch.num_layers=3")  # another teacher judges the starting student
-    assert key() != key("loss.cross_tokenizer=sampled")  # scored per character by another tokenizer's teacher
+    assert key() != key("loss.kind=xtok_sampled")  # scored per character by another tokenizer's teacher
     assert key() != key("train.eval_problems=7")
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from jopd.losses.batch import LossBatch
 from jopd.losses.config import LossConfig
-from jopd.losses.objectives import token_loss_from_logits
+from jopd.losses.compute import token_loss_from_logits
 
 B, T, V, K = 2, 6, 11, 4
 
@@ -40,7 +40,7 @@ def test_a_misaligned_row_neither_adds_to_nor_dilutes_the_loss(kind):
         batch = batch.replace(teacher_topk_ids_BxTxK=None, teacher_topk_logprobs_BxTxK=None, support_mask_BxTxK=None)
     else:
         batch = batch.replace(span_teacher_logprobs_BxT=None)
-    cfg = LossConfig(kind=kind, top_k=K, support="teacher_topk")  # as `step.cross_tokenizer_loss` sets it
+    cfg = LossConfig(kind=kind, top_k=K, support="teacher_topk")  # as `step.resolve_loss_config` sets it
     logits = jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32)
 
     def loss(logits, batch):

@@ -2,6 +2,7 @@
 imported by a run config's `plugins`, equals its numpy formula, tends to `topk_rkl_tail` as alpha -> 1, and
 trains a tiny testbed run end to end."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ from jopd import registry
 from jopd.losses import LossBatch, LossConfig, token_loss_from_logits
 from jopd.losses.kinds import OBJECTIVES, Objective
 from jopd.opd.loop import train
-from jopd.opd.run_config import load_config
+from jopd.opd.run_config import load_config, to_yaml
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "alpha_divergence.py"
@@ -109,3 +110,49 @@ def test_extending_doc_shows_the_example_file_as_it_is():
     section = doc.split("## A loss kind", 1)[1].split("\n## ", 1)[0]
     assert f"```python\n{EXAMPLE.read_text()}```" in section
     assert "plugins: [docs/examples/alpha_divergence.py]" in section and "kind: alpha_0.5" in section
+
+
+def test_a_plugin_kinds_options_are_validated_from_yaml(tmp_path):
+    """`loss.options` of the plugin's `alpha` kind: read from the YAML into its `AlphaOptions` (the loss then equals
+    the fixed alpha_0.9's), saved and read back; a bad or unknown option, or options for a kind without them, is
+    one line naming the field as the config loads."""
+    from jopd.config_dataclass import ConfigError
+
+    path = write_tiny(tmp_path / "tiny.yaml", plugins=[str(EXAMPLE)],
+                      loss={"kind": "alpha", "options": {"alpha": 0.9}, "top_k": K, "support": "teacher_topk"})
+    cfg = load_config(str(path))
+    module = _example()
+    assert cfg.loss.options == module.AlphaOptions(alpha=0.9)
+    assert load_config(str(path), ["loss.options=null"]).loss.options.alpha == 0.5  # the kind's defaults
+    s_logits, _, _, _, batch = _batch(seed=3)
+    fixed = dataclasses.replace(cfg.loss, kind="alpha_0.9", options=None)
+    assert float(token_loss_from_logits(cfg.loss, jnp.asarray(s_logits), batch)[0]) == \
+        float(token_loss_from_logits(fixed, jnp.asarray(s_logits), batch)[0])
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert load_config(str(saved)).loss == cfg.loss
+    with pytest.raises(ConfigError, match=r"^RunConfig.loss.options.alpha: Input should be less than 1$"):
+        load_config(str(path), ["loss.options.alpha=1.5"])
+    with pytest.raises(ConfigError, match=r"^RunConfig.loss.options.beta: unknown key$"):
+        load_config(str(path), ["loss.options.beta=0.3"])
+    with pytest.raises(ConfigError, match=r"^RunConfig.loss.options: loss kind 'alpha_0.5' takes no options, "
+                                          r"got \['alpha'\]$"):
+        load_config(str(path), ["loss.kind=alpha_0.5"])
+    with pytest.raises(ConfigError, match=r"^RunConfig.loss.options: expected a mapping of loss kind 'alpha'"):
+        load_config(str(path), ["loss.options=3"])
+
+
+def test_a_moved_setting_points_to_its_new_place():
+    """The built-in kinds' own settings, once `loss.*`, are `loss.options.*`: an earlier config still loads when
+    its kind is the one that read it (a saved config's default values are dropped), else one line names the
+    new place."""
+    from jopd.config_dataclass import ConfigError
+
+    assert load_config(None, ["loss.kind=jsd", "loss.jsd_beta=0.3"]).loss.options.beta == 0.3
+    assert load_config(None, ["loss.kind=sampled_opd", "loss.gamma=0.9"]).loss.options.gamma == 0.9
+    assert load_config(None, ["loss.jsd_beta=0.5", "loss.gamma=0.0", "loss.clip_eps=0.2"]).loss.options is None
+    with pytest.raises(ConfigError, match=r"^RunConfig.loss.jsd_beta: now loss.options.beta of loss.kind=jsd "
+                                          r"\(loss.kind=rkl does not read it\)$"):
+        load_config(None, ["loss.kind=rkl", "loss.jsd_beta=0.3"])
+    with pytest.raises(ConfigError, match=r"^RunConfig.loss.clip_eps=0.3 and loss.options.clip_eps=0.25: set "):
+        load_config(None, ["loss.kind=grpo", "loss.clip_eps=0.3", "loss.options.clip_eps=0.25"])

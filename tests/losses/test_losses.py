@@ -193,8 +193,8 @@ def test_loss_mask_drops_prompt_padding_and_special_targets():
     np.testing.assert_array_equal(loss_mask(response, targets, ()), response)
 
 
-@pytest.mark.parametrize("kind,extra", [("topk_rkl", {}), ("topk_rkl_tail", {}), ("rkl", {}), ("fkl", {}), ("jsd", {"jsd_beta": 0.3}),
-                                        ("sft", {}), ("sampled_opd", {"gamma": 0.9}),
+@pytest.mark.parametrize("kind,extra", [("topk_rkl", {}), ("topk_rkl_tail", {}), ("rkl", {}), ("fkl", {}), ("jsd", {"options": {"beta": 0.3}}),
+                                        ("sft", {}), ("sampled_opd", {"options": {"gamma": 0.9}}),
                                         ("topk_rkl", {"is_mode": "tis"}), ("sampled_opd", {"is_mode": "icepop"})])
 def test_masked_positions_contribute_nothing(kind, extra):
     s, t = _rand(7, (B, T, V)), _rand(8, (B, T, V))
@@ -263,7 +263,7 @@ def test_sampled_opd_expected_gradient_matches_full_reverse_kl(gamma):
     y = jax.random.categorical(jax.random.key(0), s, shape=(n, t_len))
     batch = LossBatch(targets_BxT=y, response_mask_BxT=jnp.ones((n, t_len), bool),
                       teacher_target_logprobs_BxT=token_logprobs(jnp.broadcast_to(t, (n, t_len, v)), y))
-    cfg = LossConfig(kind="sampled_opd", gamma=gamma)
+    cfg = LossConfig(kind="sampled_opd", options={"gamma": gamma})
     g_pg = jax.jit(jax.grad(lambda x: token_loss_from_logits(cfg, jnp.broadcast_to(x, (n, t_len, v)), batch)[0]))(s)
     full = LossBatch(targets_BxT=jnp.zeros((1, t_len), jnp.int32), response_mask_BxT=jnp.ones((1, t_len), bool),
                      teacher_hidden_BxTxD=t[None])
@@ -396,7 +396,7 @@ def test_clipped_ratio_gradient_vanishes_only_in_the_direction_the_clip_blocks()
     batch = LossBatch(targets_BxT=jnp.asarray(targets), response_mask_BxT=jnp.ones((1, n), bool),
                       advantages_BxT=jnp.asarray([[c[1] for c in cases]], jnp.float32),
                       sampler_logprobs_BxT=jnp.asarray(own - np.log(ratio), jnp.float32))
-    cfg = LossConfig(kind="grpo", clip_eps=0.2)
+    cfg = LossConfig(kind="grpo", options={"clip_eps": 0.2})
     grad = jax.grad(lambda lg: token_loss_from_logits(cfg, lg, batch)[0])(logits)
     per_position = np.abs(np.asarray(grad)).sum(-1)[0]
     for (r, a, blocked), g in zip(cases, per_position):
@@ -419,7 +419,7 @@ def test_clip_eps_high_widens_only_the_upper_side():
                       advantages_BxT=jnp.asarray([[1.0, -1.0]], jnp.float32),
                       sampler_logprobs_BxT=jnp.asarray(own - np.log([[1.25, 0.75]]), jnp.float32))
     def frac(**kw):
-        return float(token_loss_from_logits(LossConfig(kind="grpo", **kw), logits, batch)[1]["clip_frac"])
+        return float(token_loss_from_logits(LossConfig(kind="grpo", options=kw), logits, batch)[1]["clip_frac"])
 
     assert frac(clip_eps=0.2) == 1.0  # both clipped
     assert frac(clip_eps=0.2, clip_eps_high=0.28) == 0.5  # 1.25 now inside [0.8, 1.28]; 0.75 still below 0.8

@@ -76,8 +76,8 @@ def test_teacher_scores_chunked_equal_full_softmax_top_k(setup, chunk):
 
 # Chunk 5 does not divide T=12 (padded tail), 4 does. rkl/fkl share the chunked teacher-logits path with jsd.
 CASES = [("topk_rkl", 5, "tied", {}), ("topk_rkl", 4, "untied", {"is_mode": "tis"}),
-         ("sampled_opd", 5, "tied", {"gamma": 0.9, "is_mode": "icepop"}),
-         ("jsd", 5, "tied", {"jsd_beta": 0.3, "temperature": 0.8}), ("sft", 4, "untied", {})]
+         ("sampled_opd", 5, "tied", {"options": {"gamma": 0.9}, "is_mode": "icepop"}),
+         ("jsd", 5, "tied", {"options": {"beta": 0.3}, "temperature": 0.8}), ("sft", 4, "untied", {})]
 
 
 @pytest.mark.parametrize("kind,chunk,head,extra", CASES)
@@ -174,7 +174,8 @@ def test_full_vocabulary_kinds_from_the_teachers_hidden_states_equal_materialize
     before), masked-averaged by hand."""
     s = setup
     params, hidden, batch = s["params"]["untied"], s["hidden"]["untied"], s["batch"]
-    cfg = LossConfig(kind=kind, chunk_size=5, special_token_ids=SPECIAL, jsd_beta=0.3, temperature=0.8)
+    cfg = LossConfig(kind=kind, chunk_size=5, special_token_ids=SPECIAL, temperature=0.8,
+                     options={"beta": 0.3} if kind == "jsd" else None)
     fn = {"rkl": div.reverse_kl, "fkl": div.forward_kl,
           "jsd": lambda a, b: div.generalized_jsd(a, b, 0.3)}[kind]
     untied = ModelConfig(**{**MC.__dict__, "tie_word_embeddings": False})

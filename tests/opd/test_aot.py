@@ -435,7 +435,7 @@ def _cross_batch_bytes_per_row(prompt_len, new_tokens):
 def test_cross_tokenizer_step_lowers_with_the_teachers_rows_and_projection_table():
     """The toy student and a testbed teacher with SmolLM2's tokenizer (49152 ids): the run's own table (from the
     tokenizers), its bytes held beside the scoring program, the teacher's rows an argument of the scoring."""
-    cfg = tiny_cfg("mesh.data=8", "loss.cross_tokenizer=dense", f"teacher.tokenizer={io.smollm2_gguf_path()}",
+    cfg = tiny_cfg("mesh.data=8", "loss.kind=xtok_dense", f"teacher.tokenizer={io.smollm2_gguf_path()}",
                    "teacher.arch.hidden_size=16", "teacher.arch.intermediate_size=32")
     report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
     assert report.models["teacher"]["vocab"] == 49152 and report.models["student"]["vocab"] == 103
@@ -451,18 +451,18 @@ def test_cross_tokenizer_step_lowers_with_the_teachers_rows_and_projection_table
 def test_cross_tokenizer_pair_from_config_json_alone_sizes_with_a_stand_in_table():
     """Config-only model directories have no tokenizer: a stand-in table of the vocabulary sizes (4 sparse
     entries per teacher id, said to be an estimate) lowers the scoring; a vocabulary mismatch without
-    loss.cross_tokenizer still names the field to set."""
+    a cross-tokenizer loss.kind still names the field to set."""
     arch = ROOT / "configs" / "arch"
     base = [*TINY, "mesh.data=8", f"teacher.path={arch / 'smollm2-135m-instruct'}", "teacher.num_layers=1",
             f"student.path={arch / 'qwen3-1.7b'}", "student.num_layers=1"]
-    report = aot.compile_opd_step(load_config(None, [*base, "loss.cross_tokenizer=sampled"]),
+    report = aot.compile_opd_step(load_config(None, [*base, "loss.kind=xtok_sampled"]),
                                   stages=["teacher_scoring"], progress=False)
     Vs, Vt = 151936, 49152
     assert report.models["student"]["vocab"] == Vs and report.models["teacher"]["vocab"] == Vt
     assert report.shapes["xtok_pairs"] == f"{4 * Vt} (estimated: no tokenizer)"
     assert report.buffers["projection_table"] == 4 * (Vt * 4 + 1 + 2 * Vs + 3 * 4 * Vt)
     assert report.stages[0].error is None and report.stages[0].memory.argument > report.buffers["cross_batch"] > 0
-    with pytest.raises(ValueError, match=r"^teacher/student vocab mismatch: .* set loss.cross_tokenizer"):
+    with pytest.raises(ValueError, match=r"^teacher/student vocab mismatch: .* set loss.kind=xtok_dense or xtok_sampled"):
         aot.compile_opd_step(load_config(None, base), stages=["teacher_scoring"], progress=False)
 
 
@@ -501,7 +501,7 @@ def test_a_teacher_with_another_tokenizer_among_several_holds_the_only_projectio
     """A toy-vocabulary teacher beside one with SmolLM2's tokenizer (routed by task): one projection table (the
     cross teacher's, as if it were alone), the teachers' rows' span arrays, both teachers' params."""
     cfg = _two_teachers(("same", ""), ("smol", f", tokenizer: '{io.smollm2_gguf_path()}'"), 16,
-                        "loss.cross_tokenizer=dense", "mesh.data=8")
+                        "loss.kind=xtok_dense", "mesh.data=8")
     report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
     assert report.models["smol"]["vocab"] == 49152 and report.models["same"]["vocab"] == 103
     name, E = report.shapes["xtok_pairs"].split(": ")

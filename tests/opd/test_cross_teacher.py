@@ -1,7 +1,7 @@
-"""A teacher with another tokenizer through the OPD step (`loss.cross_tokenizer`): the toy character-level student
-and a teacher with SmolLM2's 49152-token BPE (a tiny random model). The scored fields against direct
-teacher-forced computations, the dense projection against the teacher's next-character distribution, failures
-counted, bad pairs refused before any compute, and tiny runs end to end."""
+"""A teacher with another tokenizer through the OPD step (`loss.kind: xtok_sampled | xtok_dense`): the toy
+character-level student and a teacher with SmolLM2's 49152-token BPE (a tiny random model). The scored fields
+against direct teacher-forced computations, the dense projection against the teacher's next-character
+distribution, failures counted, bad pairs refused before any compute, and tiny runs end to end."""
 
 import dataclasses
 import json
@@ -43,7 +43,7 @@ def tokenizers():
 def _scored(mode, tokenizers, *overrides):
     """A rollout of a random toy student, aligned to and scored by a random SmolLM2-vocabulary teacher."""
     toy, smol = tokenizers
-    cfg = load_config(None, BASE + [f"loss.cross_tokenizer={mode}", *overrides])
+    cfg = load_config(None, BASE + [f"loss.kind=xtok_{mode}", *overrides])
     s_cfg, t_cfg = model_sources.testbed_model_config(cfg.student, toy), model_sources.testbed_model_config(
         cfg.teacher, smol)
     cross = CrossTeacher.make(toy, smol, s_cfg, t_cfg)
@@ -164,19 +164,26 @@ def test_dense_projection_is_the_teachers_next_character_distribution(tokenizers
 
 
 def test_a_pair_that_cannot_align_is_refused_before_any_compute(tmp_path):
-    with pytest.raises(ValueError, match=r"^RunConfig.loss.cross_tokenizer: .*teacher encodes '\\x00'"):
+    with pytest.raises(ValueError, match=r"^RunConfig.loss.kind: .*teacher encodes '\\x00'"):
         model_sources.precheck_sources(load_config(None, [
-            f"student.tokenizer={io.smollm2_gguf_path()}", "loss.cross_tokenizer=sampled"]))
-    with pytest.raises(ConfigError, match=r"^RunConfig.loss.cross_tokenizer: Input should be 'off', 'sampled' or "):
+            f"student.tokenizer={io.smollm2_gguf_path()}", "loss.kind=xtok_sampled"]))
+    # the key that once selected these kinds: an earlier config still loads (its kind), else one line naming loss.kind
+    with pytest.raises(ConfigError, match=r"^RunConfig.loss.cross_tokenizer: True: .* loss.kind=xtok_dense or "):
         load_config(None, ["loss.cross_tokenizer=yes"])
     assert load_config(None, ["loss.cross_tokenizer=off"]).loss.cross_tokenizer == "off"  # YAML's `off` is false
+    assert load_config(None, ["loss.cross_tokenizer=dense"]).loss.kind == "xtok_dense"
+    assert load_config(None, ["loss.cross_tokenizer=sampled", "loss.kind=sampled_opd"]).loss.kind == "xtok_sampled"
     with pytest.raises(ValueError, match=r"loss.cross_tokenizer=dense: runs xtok_dense .* got loss.kind=rkl"):
         build_step(load_config(None, BASE + ["loss.cross_tokenizer=dense", "loss.kind=rkl"]), None, None, None)
-    with pytest.raises(ValueError, match=r"vocab mismatch: .* set loss.cross_tokenizer"):
+    with pytest.raises(ValueError, match=r"loss.kind=rkl: needs a teacher of the student's vocabulary"):
+        build_step(load_config(None, BASE + ["loss.kind=rkl"]), None, None, None, cross=object())
+    with pytest.raises(ValueError, match=r"loss.kind=xtok_dense: scores a teacher with another tokenizer and needs"):
+        build_step(load_config(None, BASE + ["loss.kind=xtok_dense"]), None, None, None)
+    with pytest.raises(ValueError, match=r"vocab mismatch: .* set loss.kind=xtok_dense or xtok_sampled"):
         model_sources.check_compatible(T.ModelConfig(vocab_size=10), T.ModelConfig(vocab_size=12), None, None)
     out = tmp_path / "probed"
     with pytest.raises(ValueError, match=r"probe_every: the probe feeds the teacher the student.s token ids"):
-        train(load_config(None, BASE + ["loss.cross_tokenizer=sampled", "train.probe_every=2",
+        train(load_config(None, BASE + ["loss.kind=xtok_sampled", "train.probe_every=2",
                                         f"train.out_dir={out}"]), probe_hook=lambda run: None)
     assert not out.exists()  # nothing written
 
@@ -186,7 +193,7 @@ def test_a_pair_that_cannot_align_is_refused_before_any_compute(tmp_path):
 def test_cross_tokenizer_runs_end_to_end_and_counts_what_it_cannot_align(tmp_path, mode):
     # a briefly fine-tuned teacher (its quality is not under test: every step's 49152-way head costs)
     teacher = TINY["teacher"] | {"tokenizer": str(io.smollm2_gguf_path()), "warm_start": {"steps": 4, "batch_size": 8}}
-    path = write_tiny(tmp_path / "tiny.yaml", teacher=teacher, loss={"top_k": 8, "cross_tokenizer": mode},
+    path = write_tiny(tmp_path / "tiny.yaml", teacher=teacher, loss={"top_k": 8, "kind": f"xtok_{mode}"},
                       train={"steps": 3, "eval_problems": 8})
     out = tmp_path / "run"
     summary = train(load_config(str(path), [f"train.out_dir={out}", f"train.cache_dir={tiny_cache()}"]),

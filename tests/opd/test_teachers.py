@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jopd.losses import LossConfig
-from jopd.losses.objectives import per_task_means
+from jopd.losses.compute import per_task_means
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays, sequence_layout
@@ -183,8 +183,8 @@ def test_errors_name_the_setting():
                                          r"over the 4 batch shards"):
         cfg = load_config(None, ["data.batch_size=4", *MIX, *TWO, "mesh.data=4"])
         build_step(cfg, STUDENT, (T_A, T_B), M.make_mesh(cfg.mesh, jax.devices()[:4]))
-    cfg = _cfg(*MIX, *TWO, "routing=mixture", loss=LossConfig(kind="rkl"))
     with pytest.raises(ValueError, match=r"routing=mixture: loss.kind=rkl projects one teacher's hidden states"):
+        cfg = _cfg(*MIX, *TWO, "routing=mixture", loss=LossConfig(kind="rkl"))  # refused as the config is built
         build_step(cfg, STUDENT, (T_A, T_B), M.make_mesh(cfg.mesh, jax.devices()[:1]))
     with pytest.raises(ValueError, match=r"train.pack: not with routing=task over several teachers"):
         cfg = _cfg(*MIX, *TWO, "train.pack=true")

@@ -1,4 +1,4 @@
-"""Several teachers with `loss.cross_tokenizer` (`opd.teachers`): a teacher of the student's vocabulary (the toy
+"""Several teachers with a cross-tokenizer `loss.kind` (`opd.teachers`): a teacher of the student's vocabulary (the toy
 tokenizer) beside a teacher with SmolLM2's BPE (tiny random models), routed by task. Each row's fields are its own
 teacher's alone: the cross teacher's rows those of today's one-teacher cross step on the same rollout, the other
 teacher's rows the ordinary scoring's log-probs of the same ids (and, sampled, the same loss and update as
@@ -90,7 +90,7 @@ def test_each_row_is_scored_by_its_own_teacher_alone(tokenizers, mode, devices, 
     """Mixed routing=task on 1 device, and on 8 with the small same-vocabulary teacher held replicated."""
     placed = MIXED.replace("tasks: [arithmetic],", "tasks: [arithmetic], placement: replicated,") if devices > 1 \
         else MIXED
-    step, teachers = _step([placed, f"loss.cross_tokenizer={mode}", *mesh], tokenizers, devices)
+    step, teachers = _step([placed, f"loss.kind=xtok_{mode}", *mesh], tokenizers, devices)
     assert step.cross[0] is None and step.cross[1] is not None  # the toy teacher shares the student's tokenizer
     student = numpy_params(step.student_cfg, 0, layer_scale=3.0, head_scale=3.0)
     rollout, scored = _rollout_and_score(step, teachers, student)
@@ -101,7 +101,7 @@ def test_each_row_is_scored_by_its_own_teacher_alone(tokenizers, mode, devices, 
     valid_BxN = np.arange(sample.tokens_BxN.shape[1])[None] < sample.lengths_B[:, None]
 
     # the cross teacher's rows: today's one-teacher cross step, its rows aligned and scored on the same rollout
-    alone, _ = _step([*ALONE, f"loss.cross_tokenizer={mode}", *mesh], tokenizers, devices)
+    alone, _ = _step([*ALONE, f"loss.kind=xtok_{mode}", *mesh], tokenizers, devices)
     cross_batch, reasons = alone._align(rollout.sample, rollout.host_batch)
     with jax.set_mesh(alone.mesh):
         want = jax.device_get(alone.score_fn(jax.device_put(teachers[1], alone.shardings.teacher),
@@ -145,10 +145,10 @@ def test_each_row_is_scored_by_its_own_teacher_alone(tokenizers, mode, devices, 
 def test_same_vocabulary_rows_of_xtok_sampled_are_sampled_opd(tokenizers):
     """On the toy teacher's rows, the span-level policy gradient with one token per span is sampled-token OPD
     (gamma 0): the same loss and the same updated student."""
-    step, teachers = _step([MIXED, "loss.cross_tokenizer=sampled"], tokenizers)
+    step, teachers = _step([MIXED, "loss.kind=xtok_sampled"], tokenizers)
     student = numpy_params(step.student_cfg, 0, layer_scale=3.0, head_scale=3.0)
     rollout, scored = _rollout_and_score(step, teachers, student)
-    opd, _ = _step([f"teacher.arch={ARCH}", "loss.kind=sampled_opd", "loss.gamma=0", "loss.support=teacher_topk"],
+    opd, _ = _step([f"teacher.arch={ARCH}", "loss.kind=sampled_opd", "loss.options.gamma=0", "loss.support=teacher_topk"],
                    tokenizers)
     ref = opd.score_fn(teachers[0], rollout.arrays.replace(cross=None))
     same = row_teachers(rollout.host_batch["task_id"], step.routing) == 0
@@ -170,7 +170,7 @@ def test_the_cross_teacher_alone_in_teachers_is_todays_step_bit_for_bit(tokenize
     one = f"teachers=[{{name: smol, tasks: [arithmetic, counting], arch: {ARCH}, tokenizer: '{SMOL}'}}]"
     results = []
     for overrides in (ALONE, [one] if routed == "one teacher" else [MIXED, "routing=smol"]):
-        step, teachers = _step([*overrides, "loss.cross_tokenizer=dense"], tokenizers)
+        step, teachers = _step([*overrides, "loss.kind=xtok_dense"], tokenizers)
         student = numpy_params(step.student_cfg, 0, layer_scale=3.0, head_scale=3.0)
         rollout, scored = _rollout_and_score(step, teachers, student)
         state, metrics = step.update(step.init_state(student, seed=1), scored)
@@ -189,7 +189,7 @@ def test_the_eval_measures_each_row_per_character_against_its_own_teacher(tokeni
     from jopd.models import transformer as T
     from jopd.opd.evaluate import cross_divergence_B, routed_cross_divergence_B
 
-    step, teachers = _step([MIXED, "loss.cross_tokenizer=sampled"], tokenizers)
+    step, teachers = _step([MIXED, "loss.kind=xtok_sampled"], tokenizers)
     rollout, _ = _rollout_and_score(step, teachers, numpy_params(step.student_cfg, 0, layer_scale=3.0, head_scale=3.0))
     out, batch = jax.device_get(rollout.sample), rollout.host_batch
     P, N = batch["prompt_tokens"].shape[1], out.tokens_BxN.shape[1]
@@ -215,20 +215,20 @@ def test_the_eval_measures_each_row_per_character_against_its_own_teacher(tokeni
 
 def test_what_is_refused_names_the_field(tokenizers, tmp_path):
     with pytest.raises(ConfigError, match=r"^RunConfig.routing: mixture is not available with "
-                                          r"loss.cross_tokenizer=dense \(a mixture adds"):
-        load_config(None, BASE + [MIXED, "loss.cross_tokenizer=dense", "routing=mixture"])
-    load_config(None, BASE + [MIXED, "loss.cross_tokenizer=dense", "routing=same"])  # to one teacher: fine
+                                          r"loss.kind=xtok_dense \(a mixture adds"):
+        load_config(None, BASE + [MIXED, "loss.kind=xtok_dense", "routing=mixture"])
+    load_config(None, BASE + [MIXED, "loss.kind=xtok_dense", "routing=same"])  # to one teacher: fine
     # a teacher's pair that cannot align: the teacher's `tokenizer` field (a byte-level student, a toy teacher)
     bad = f"teachers=[{{name: a, tasks: [arithmetic]}}, {{name: b, tasks: [counting], tokenizer: '{SMOL}'}}]"
     with pytest.raises(ValueError, match=r"^RunConfig.teachers\[0\].tokenizer: .*teacher encodes .* "
-                                         r"\(loss.cross_tokenizer\)$"):
+                                         r"\(loss.kind=xtok_sampled\)$"):
         model_sources.precheck_sources(load_config(None, BASE + [bad, f"student.tokenizer={SMOL}",
-                                                                 "loss.cross_tokenizer=sampled"]))
-    cfg = load_config(None, BASE + [MIXED, "loss.cross_tokenizer=dense"])
+                                                                 "loss.kind=xtok_sampled"]))
+    cfg = load_config(None, BASE + [MIXED, "loss.kind=xtok_dense"])
     s_cfg, t_cfgs, toks, _ = _models(cfg, tokenizers)
     with pytest.raises(ValueError, match=r"^RunConfig.teachers\[1\]: vocab_size=49152 is not the student's \(103\)"):
         build_step(cfg, s_cfg, t_cfgs, M.make_mesh(cfg.mesh, jax.devices()[:1]), tokenizers[0], (None, None))
-    with pytest.raises(ValueError, match=r"2 teachers with loss.cross_tokenizer need `cross` as a tuple"):
+    with pytest.raises(ValueError, match=r"2 teachers with loss.kind=xtok_dense need `cross` as a tuple"):
         build_step(cfg, s_cfg, t_cfgs, M.make_mesh(cfg.mesh, jax.devices()[:1]), tokenizers[0],
                    model_sources.cross_teachers(cfg, tokenizers[0], toks, s_cfg, t_cfgs)[1])
 
@@ -241,7 +241,7 @@ def test_a_mixed_run_trains_and_evaluates_per_character(tmp_path):
                               "warm_start": {"steps": 4, "batch_size": 8}}
     same = TINY["teacher"] | {"name": "same", "tasks": ["arithmetic"], "placement": "replicated"}
     spec = {k: v for k, v in TINY.items() if k != "teacher"} | {
-        "teachers": [same, smol], "loss": {"top_k": 8, "cross_tokenizer": "dense"},
+        "teachers": [same, smol], "loss": {"top_k": 8, "kind": "xtok_dense"},
         "data": TINY["data"] | {"batch_size": 16, "max_prompt_len": 64, "mix": {"arithmetic": 1, "counting": 1},
                                 "counting": {"max_items": 3, "heldout_size": 8},
                                 "arithmetic": {"max_steps": 1, "heldout_size": 8}},

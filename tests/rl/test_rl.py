@@ -10,6 +10,7 @@ from jopd.losses import LossBatch, LossConfig, RLConfig, token_loss_from_logits
 from jopd.losses import advantages as adv_lib
 from jopd.losses.kinds import OBJECTIVES
 from jopd.opd import rewards as rl
+from jopd.opd import validate
 
 
 def test_grpo_advantages_are_group_normalized():
@@ -98,17 +99,19 @@ def test_rl_settings_a_kind_cannot_honour_are_one_line_errors():
     from jopd.config_dataclass import ConfigError, build
 
     with pytest.raises(ValueError, match=r"rl.inner_updates=2: loss.kind=reinforce does not reuse a rollout batch"):
-        rl.check_rl_config("reinforce", OBJECTIVES["reinforce"], RLConfig(inner_updates=2))
+        validate.check_rl("reinforce", OBJECTIVES["reinforce"], RLConfig(inner_updates=2))
     with pytest.raises(ValueError, match=r"rl.baseline=leave_one_out: loss.kind=grpo does not use it"):
-        rl.check_rl_config("grpo", OBJECTIVES["grpo"], RLConfig(baseline="leave_one_out"))
-    rl.check_rl_config("grpo", OBJECTIVES["grpo"], RLConfig(inner_updates=4))
-    rl.check_rl_config("reinforce", OBJECTIVES["reinforce"], RLConfig(baseline="leave_one_out"))
+        validate.check_rl("grpo", OBJECTIVES["grpo"], RLConfig(baseline="leave_one_out"))
+    validate.check_rl("grpo", OBJECTIVES["grpo"], RLConfig(inner_updates=4))
+    validate.check_rl("reinforce", OBJECTIVES["reinforce"], RLConfig(baseline="leave_one_out"))
     for field, value in (("inner_updates", 0), ("baseline_decay", 1.0)):
         with pytest.raises(ConfigError, match=rf"^rl\.{field}: "):
             build(RLConfig, {field: value}, "rl")
-    for field, value in (("clip_eps", 0.0), ("kl_coef", -1)):  # the per-token settings are the loss's
+    for field, value in (("options.clip_eps", 0.0), ("kl_coef", -1)):  # the per-token settings are the loss's
+        key, _, option = field.partition(".")
+        data = {"kind": "grpo", "options": {option: value}} if option else {field: value}
         with pytest.raises(ConfigError, match=rf"^loss\.{field}: "):
-            build(LossConfig, {field: value}, "loss")
+            build(LossConfig, data, "loss")
     with pytest.raises(ConfigError, match=r"^rl\.baseline: "):
         build(RLConfig, {"baseline": "median"}, "rl")
 
@@ -139,8 +142,9 @@ def test_reinforce_on_a_two_armed_bandit_raises_the_expected_reward(baseline):
 
 
 def test_rl_per_token_settings_from_older_configs_land_in_the_loss_config(tmp_path):
-    """`rl.kl_coef` / `clip_eps` / `clip_eps_high` / `token_sum_norm` are `loss.*` now; a run's saved config from
-    before (both copies, the loss one at its default) and a command-line `rl.*` override still load."""
+    """`rl.kl_coef` / `token_sum_norm` are `loss.*` now, `rl.clip_eps` / `clip_eps_high` grpo's `loss.options.*`; a
+    run's saved config from before (both copies, the loss one at its default) and a command-line `rl.*` override
+    still load."""
     import yaml
 
     from jopd.config_dataclass import ConfigError
@@ -150,7 +154,7 @@ def test_rl_per_token_settings_from_older_configs_land_in_the_loss_config(tmp_pa
     saved.write_text(yaml.safe_dump({"rl": {"group_size": 2, "kl_coef": 0.05, "clip_eps": 0.3, "token_sum_norm": True},
                                      "loss": {"kind": "grpo", "kl_coef": 0.0, "clip_eps": 0.2}}))
     cfg = load_config(str(saved))
-    assert (cfg.loss.kl_coef, cfg.loss.clip_eps, cfg.loss.token_sum_norm, cfg.rl.group_size) == (0.05, 0.3, True, 2)
+    assert (cfg.loss.kl_coef, cfg.loss.options.clip_eps, cfg.loss.token_sum_norm, cfg.rl.group_size) == (0.05, 0.3, True, 2)
     assert load_config(None, ["rl.kl_coef=0.1"]).loss.kl_coef == 0.1
     assert load_config(str(saved), ["loss.kl_coef=0.2", "rl.kl_coef=0.0"]).loss.kl_coef == 0.2
     with pytest.raises(ConfigError, match=r"^RunConfig.rl.kl_coef=0.1 and loss.kl_coef=0.2: set loss.kl_coef only"):

@@ -39,7 +39,7 @@ from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.models.config import ModelConfig
 from jopd.parallel.vocab_projection import vocab_sharded_head
 
-__all__ = ["OBJECTIVES", "Objective", "check_batch", "compact_fields", "loss_chunk", "needs_reference", "per_task_means",
+__all__ = ["check_batch", "compact_fields", "loss_chunk", "needs_reference", "per_task_means",
            "token_loss", "token_loss_from_logits"]
 
 

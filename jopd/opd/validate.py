@@ -1,0 +1,191 @@
+"""A run's checks, in one place: each failure is one line naming the field to change, raised before any compute.
+
+- `check_run(cfg)`: what the config alone decides (settings that do not go together, a kind's needs).
+  `RunConfig` runs it when it is built, so every loaded, overridden or replaced config has passed it.
+- `check_tokenizer(cfg, tokenizer)`: what needs the student's tokenizer (`loss.top_k`, `train.template_tokens`);
+  the loop runs it where the tokenizer is first read, `resolve_loss_config` for every other caller of the step.
+- `check_models(cfg, student, teachers, own_tokenizer)`: what needs the models' configs (each same-vocabulary
+  teacher against the student, every model's context); `model_sources.precheck_sources` runs it on the
+  checkpoints' metadata before any weight is read or any model is trained, `jopd aot` on the architectures it
+  sizes. `check_compatible` is one teacher against the student (and their tokenizers when given).
+- `check_cross(cfg, cross)`: `build_step`'s `cross` against the kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from jopd.config_dataclass import ConfigError
+from jopd.data.mixture import task_sources
+from jopd.losses.config import RLConfig
+from jopd.losses.kinds import OBJECTIVES, Objective
+from jopd.opd.cross_teacher import TEACHER_SLACK
+
+if TYPE_CHECKING:
+    from jopd.models.config import ModelConfig
+    from jopd.opd.run_config import RunConfig
+
+
+# -- the config alone -----------------------------------------------------------------------------------------
+
+def check_run(cfg: "RunConfig") -> None:
+    """Every check the config alone decides: one `ConfigError` (field relative to `RunConfig`) at the first."""
+    objective = OBJECTIVES[cfg.loss.kind]
+    if cfg.teachers:
+        _check_teachers(cfg)
+    check_rl(cfg.loss.kind, objective, cfg.rl)
+    if objective.grouped and cfg.sampling.samples_per_prompt not in (1, cfg.rl.group_size):
+        raise ConfigError(f"sampling.samples_per_prompt={cfg.sampling.samples_per_prompt}: loss.kind={cfg.loss.kind} "
+                          f"samples rl.group_size={cfg.rl.group_size} rollouts per prompt")
+    several = cfg.teachers and cfg.routing in ("task", "mixture") and len(cfg.teachers) > 1
+    if several and (objective.needs_teacher_hidden or objective.reads_teacher_head):
+        raise ConfigError(f"routing={cfg.routing}: loss.kind={cfg.loss.kind} projects one teacher's hidden states "
+                          f"with its head; with several teachers use a support kind (topk_rkl_tail, topk_rkl, "
+                          f"sampled_opd) or route to one teacher")
+    if several and cfg.train.pack:
+        raise ConfigError(f"train.pack: not with routing={cfg.routing} over several teachers (a packed row mixes rows "
+                          f"of different teachers)")
+    if objective.cross_tokenizer is not None and cfg.train.pack:
+        raise ConfigError(f"train.pack: not with loss.kind={cfg.loss.kind} (a teacher with another tokenizer scores "
+                          f"its own sequences)")
+    if cfg.train.pack and cfg.optim.grad_accum_steps > 1:
+        raise ConfigError(f"train.pack: not with optim.grad_accum_steps={cfg.optim.grad_accum_steps} (a packed row "
+                          f"holds several rollouts; micro-batches would split its packing)")
+    if cfg.train.probe_every and objective.cross_tokenizer is not None:
+        raise ConfigError(f"train.probe_every: the probe feeds the teacher the student's token ids; not with "
+                          f"loss.kind={cfg.loss.kind} (a teacher with another tokenizer)")
+
+
+def check_rl(kind: str, objective: Objective, rl: RLConfig) -> None:
+    """`rl` settings that only some kinds honour (their entries say which): one-line errors, not ignored knobs."""
+    if rl.inner_updates > 1 and not objective.reuses_rollouts:
+        raise ConfigError(f"rl.inner_updates={rl.inner_updates}: loss.kind={kind} does not reuse a rollout batch "
+                          f"(grpo does: its clipped ratio accounts for the policy's change)")
+    if rl.baseline != "batch_mean" and rl.baseline not in objective.baselines:
+        raise ConfigError(f"rl.baseline={rl.baseline}: loss.kind={kind} does not use it (reinforce does; grpo's "
+                          f"baseline is its group mean)")
+
+
+def _check_teachers(cfg: "RunConfig") -> None:
+    """`teachers` against the rest of the config: names, routing, and (routing=task) one teacher per task."""
+    if cfg.teacher != type(cfg.teacher)():
+        raise ConfigError("teacher: set `teacher` or `teachers`, not both")
+    names = [t.name for t in cfg.teachers]
+    for i, name in enumerate(names):
+        if not name:
+            raise ConfigError(f"teachers[{i}].name: every teacher needs a name")
+        if name in names[:i] or name in ("task", "mixture"):
+            raise ConfigError(f"teachers[{i}].name: {name!r} is taken (names are unique, and not task / mixture)")
+    if cfg.routing not in ("task", "mixture", *names):
+        raise ConfigError(f"routing: {cfg.routing!r} is not task, mixture or a teacher's name ({', '.join(names)})")
+    if cfg.loss.cross_tokenizer != "off" and cfg.routing == "mixture" and len(cfg.teachers) > 1:
+        raise ConfigError(f"routing: mixture is not available with loss.kind={cfg.loss.kind} (a mixture adds the "
+                          f"teachers' probabilities of one next token; route by task or to one teacher)")
+    tasks = [s.name for s in task_sources(cfg.data)]
+    owner: dict[str, str] = {}
+    for i, t in enumerate(cfg.teachers):
+        for task in t.tasks:
+            if task not in tasks:
+                raise ConfigError(f"teachers[{i}].tasks: {task!r} is not one of the run's tasks ({', '.join(tasks)}; "
+                                  f"data.mix or data.task)")
+            if task in owner:
+                raise ConfigError(f"teachers[{i}].tasks: {task!r} already belongs to teacher {owner[task]!r}")
+            owner[task] = t.name
+    if cfg.routing == "task":
+        missing = [task for task in tasks if task not in owner]
+        if missing:
+            raise ConfigError(f"routing: task needs a teacher for every task; {', '.join(map(repr, missing))} has "
+                              f"none (list it in one teacher's `tasks`)")
+
+
+# -- the tokenizer --------------------------------------------------------------------------------------------
+
+def check_tokenizer(cfg: "RunConfig", tokenizer) -> None:
+    """The settings that name tokens against the student's tokenizer (None: nothing to check)."""
+    if tokenizer is None:
+        return
+    if OBJECTIVES[cfg.loss.kind].needs_teacher_topk and cfg.loss.top_k > len(tokenizer):
+        raise ValueError(f"RunConfig.loss.top_k={cfg.loss.top_k}: larger than the vocabulary ({len(tokenizer)} "
+                         f"tokens)")
+    if cfg.train.mask == "template_first" and cfg.train.template_tokens and not cfg.loss.template_token_ids:
+        vocab = tokenizer.get_vocab()
+        unknown = [t for t in cfg.train.template_tokens if t not in vocab]
+        if unknown:
+            raise ValueError(f"RunConfig.train.template_tokens: {unknown} not in the tokenizer's vocabulary")
+
+
+# -- the models' configs --------------------------------------------------------------------------------------
+
+def check_compatible(student_cfg: "ModelConfig", teacher_cfg: "ModelConfig", student_tok, teacher_tok,
+                     role: str = "teacher", own_tokenizer_run: bool = False) -> None:
+    """Distillation compares distributions token by token: the two models must share the vocabulary. `role`
+    names the teacher in the error (`teachers[1]` of several); `own_tokenizer_run`: the run's kind is a
+    cross-tokenizer one, and this teacher was taken to share the student's tokenizer (the hint says so)."""
+    if student_cfg.vocab_size != teacher_cfg.vocab_size:
+        hint = (f"its tokenizer is the student's: give it its own, {role}.tokenizer" if own_tokenizer_run else
+                "a teacher with another tokenizer: set loss.kind=xtok_dense or xtok_sampled")
+        raise ValueError(f"{role}/student vocab mismatch: {role} vocab_size={teacher_cfg.vocab_size}, "
+                         f"student vocab_size={student_cfg.vocab_size} ({hint})")
+    if student_tok is not None and teacher_tok is not None:
+        if student_tok.get_vocab() != teacher_tok.get_vocab():
+            raise ValueError(f"{role}/student tokenizer mismatch: same size but different token ids")
+        if (student_tok.chat_template or "") != (teacher_tok.chat_template or ""):
+            raise ValueError(f"{role}/student chat_template mismatch: prompts would be formatted differently")
+
+
+def check_models(cfg: "RunConfig", student: "ModelConfig | None", teachers: Sequence["ModelConfig | None"],
+                 own_tokenizer: Sequence[bool]) -> None:
+    """The models against each other and the run's lengths, from their configs (None: not known yet, e.g. a
+    testbed model whose vocabulary the tokenizer sets; its `arch` still gives its context). `own_tokenizer[i]`:
+    teacher i scores its own tokenization (a cross-tokenizer kind), else the student's tokens."""
+    roles = _teacher_roles(cfg)
+    crossed = cfg.loss.cross_tokenizer != "off"
+    if student is not None:
+        for (role, _), t_cfg, own in zip(roles, teachers, own_tokenizer):
+            if t_cfg is not None and not own:
+                check_compatible(student, t_cfg, None, None, role, own_tokenizer_run=crossed)
+    answer = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens)
+    need = cfg.data.max_prompt_len + answer
+    models = [("student", cfg.student, student, False)] + [
+        (role, src, t_cfg, own) for (role, src), t_cfg, own in zip(roles, teachers, own_tokenizer)]
+    for role, src, model, own in models:
+        context = model.max_position_embeddings if model is not None else (
+            None if src.path is not None else src.arch.max_position_embeddings)
+        where = f"{role}.path" if src.path is not None else f"{role}.arch.max_position_embeddings"
+        if context is None:
+            continue
+        if not own and need > context:
+            raise ValueError(f"RunConfig.{where}: a context of {context} tokens cannot hold data.max_prompt_len "
+                             f"{cfg.data.max_prompt_len} + the longest answer {answer} (sampling.max_new_tokens, "
+                             f"train.eval_max_new_tokens) = {need}")
+        # a teacher with another tokenizer scores rows of its own tokens: the prompt + response + TEACHER_SLACK
+        rows = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens + TEACHER_SLACK
+        if own and rows > context:
+            raise ValueError(f"RunConfig.{where}: a context of {context} tokens cannot hold its scoring rows of "
+                             f"data.max_prompt_len {cfg.data.max_prompt_len} + sampling.max_new_tokens "
+                             f"{cfg.sampling.max_new_tokens} + {TEACHER_SLACK} = {rows}")
+
+
+def own_tokenizers(cross, teachers: int) -> tuple[bool, ...]:
+    """Whether each teacher scores its own tokenization, from `cross_teachers`' answer (None: none does; one
+    `CrossTeacher`: the one teacher; a tuple: those whose entry is not None)."""
+    if cross is None:
+        return (False,) * teachers
+    return tuple(c is not None for c in cross) if isinstance(cross, tuple) else (True,)
+
+
+def _teacher_roles(cfg: "RunConfig") -> list[tuple[str, Any]]:
+    """(how errors name each teacher, its source), in `teacher_sources` order."""
+    return [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
+
+
+# -- the step's arguments -------------------------------------------------------------------------------------
+
+def check_cross(cfg: "RunConfig", cross) -> None:
+    """`build_step`'s `cross` (the teacher(s) with another tokenizer) against the run's kind."""
+    kind = cfg.loss.kind
+    if (cross is None) != (cfg.loss.cross_tokenizer == "off"):
+        raise ValueError(f"RunConfig.loss.kind={kind}: " + (
+            "scores a teacher with another tokenizer and needs its tokenizer (build_step's `cross`)" if cross is None
+            else "needs a teacher of the student's vocabulary, but the step was given a cross-tokenizer teacher"))
