@@ -21,7 +21,7 @@ from jopd.losses.is_correction import exact_kl_BxT, mismatch_estimators
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import sequence_layout
-from jopd.sampling.sampler import SampleOutput
+from jopd.sampling.config import SampleOutput
 
 __all__ = ["exact_kl_BxT", "trainer_response_logits", "mismatch_estimators", "position_mismatch"]
 

@@ -22,8 +22,8 @@ from jopd.losses import LossConfig, RLConfig
 from jopd.models.families import FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
+from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PrecisionConfig
-from jopd.sampling.sampler import SamplingConfig
 
 
 @config_dataclass

@@ -12,8 +12,9 @@ from scipy import stats
 from jopd.lab.mismatch import exact_kl_BxT, trainer_response_logits
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
+from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PrecisionConfig, precision_from_name, prepare_sampler_params
-from jopd.sampling.sampler import Sampler, SamplingConfig
+from jopd.sampling.sampler import Sampler
 from tests.helpers.tiny_params import numpy_params
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
