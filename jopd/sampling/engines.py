@@ -3,7 +3,7 @@
 An `Engine` is a pure sample function (params, prompts, masks, randomness, cache -> `SampleOutput`) and how many
 decode slots (rows of its KV cache) it runs for a batch. `choose_engine` is the only place that decides which
 engine runs: the static one unless decode slots are asked for (`sampling.slots` > 0) or a prompt's samples share
-its prefill (several samples per prompt). `Sampler` compiles `bind(choice, ...)` per choice.
+its prefill (several samples per prompt). `Sampler` compiles `bind(choice.program, ...)` per choice.
 """
 
 from __future__ import annotations
