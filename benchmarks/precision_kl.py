@@ -28,8 +28,9 @@ from jopd.lab.position_kl import trainer_response_logits  # noqa: E402
 from jopd.losses.is_correction import exact_kl_BxT, mismatch_estimators  # noqa: E402
 from jopd.models import io  # noqa: E402
 from jopd.models import transformer as T  # noqa: E402
+from jopd.sampling.config import SamplingConfig  # noqa: E402
 from jopd.sampling.precision import precision_from_name, prepare_sampler_params  # noqa: E402
-from jopd.sampling.sampler import Sampler, SamplingConfig  # noqa: E402
+from jopd.sampling.sampler import Sampler  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
            "List three prime numbers.", "How do I reverse a list in Python?", "Tell me a fun fact about cats.",

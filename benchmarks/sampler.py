@@ -48,7 +48,8 @@ import numpy as np  # noqa: E402
 
 from dot_timing import dot_seconds  # noqa: E402
 from jopd.models import io  # noqa: E402
-from jopd.sampling.sampler import Sampler, SamplingConfig  # noqa: E402
+from jopd.sampling.config import SamplingConfig  # noqa: E402
+from jopd.sampling.sampler import Sampler  # noqa: E402
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:

@@ -22,8 +22,9 @@ from tqdm import tqdm
 from jopd.config_dataclass import ConfigError, build
 from jopd.data.chat import user_prompt_ids
 from jopd.models import io
+from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PRESETS, PrecisionConfig, prepare_sampler_params
-from jopd.sampling.sampler import Sampler, SamplingConfig
+from jopd.sampling.sampler import Sampler
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from jopd.losses.is_correction import exact_kl_BxT
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import sequence_layout
-from jopd.sampling.sampler import SampleOutput
+from jopd.sampling.config import SampleOutput
 
 
 def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Array],

@@ -61,7 +61,8 @@ from jopd.lab.probe_report import (  # noqa: F401  (some re-exported: the probe'
     training_metrics, verdict)
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
-from jopd.sampling.sampler import Sampler, SamplingConfig, bucket_size, check_prompts, row_randomness
+from jopd.sampling.config import SamplingConfig, row_randomness
+from jopd.sampling.sampler import Sampler, bucket_size, check_prompts
 
 
 # (prefixes, sample) -> the teacher's continuation text of each prefix; sample None = greedy, j = the j-th draw

@@ -7,6 +7,8 @@ per-layer weights (`unstack_layers`) and per-layer cache buffers: inside a decod
 sliced, copied or transposed per step (a scan over stacked weights and an [L, ...] cache copies each layer's
 weights and cache slice every step, which more than doubled the CPU decode step). `Transformer` (Flax NNX)
 is a thin stateful wrapper over the same functions.
+Attention is a seam (`jopd.models.attention`): the forward names an implementation and hands it the mask's
+structure (padding, segments, cache slots).
 
 Params layout (shape suffixes: V vocab, D hidden, L layers, H heads, K kv heads, Dh head dim, F mlp):
   embed_VxD, final_norm_D, lm_head_DxV (absent when tied), layers/{attn_norm_LxD, q_LxDxHxDh,
@@ -26,7 +28,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from jopd.models.attention import attention_impl
 from jopd.models.config import ModelConfig
+from jopd.models.dtypes import matmul_precision
 
 Params = dict[str, Any]
 KVCache = dict[str, tuple[jax.Array, ...]]  # {"k": L x [B,K,S,Dh], "v": L x [B,K,S,Dh]} (head-major: batched dots
@@ -157,30 +161,11 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _precision(dtype) -> jax.lax.Precision:
-    # fp32 compute means fp32 matmuls also on TPU (whose default is bf16 passes); lower dtypes use DEFAULT.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def _attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, dtype):
-    B, T, H, Dh = q_BxTxHxDh.shape
-    K = k_BxKxSxDh.shape[1]
-    # Both dots in batch-leading [b, k, g, t, ...] form: an output with t between b and k ("btkgd") made XLA:CPU
-    # run the probs @ v dot ~8x slower at decode shapes (T = 1); one transpose of the [B, T, H, Dh] result instead.
-    q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
-    prec = _precision(dtype)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k_BxKxSxDh, precision=prec).astype(jnp.float32)
-    scores = scores / math.sqrt(Dh)
-    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh, precision=prec)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
-
-
 def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cache, v_cache, write_index,
-           mask_BxTxS, dtype):
+           attend, dtype):
     """One block. With a cache (this layer's [B,K,S,Dh] buffers), the new K/V are written at slot `write_index`
-    (a scalar, or one slot per row: [B]) and attention reads the whole buffer."""
+    (a scalar, or one slot per row: [B]) and attention reads the whole buffer. `attend(q, k, v)` is the attention
+    seam's call for this forward (`jopd.models.attention`: causal, or against the cache)."""
 
     def _write_cache(cache_BxKxSxDh, new_BxKxTxDh):
         new = new_BxKxTxDh.astype(cache_BxKxSxDh.dtype)
@@ -190,7 +175,7 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
         slots_BxT = write_index[:, None] + jnp.arange(T)[None, :]
         return cache_BxKxSxDh.at[jnp.arange(B)[:, None], :, slots_BxT, :].set(new.transpose(0, 2, 1, 3))
 
-    prec = _precision(dtype)
+    prec = matmul_precision(dtype)
     w = lambda name: lp[name].astype(dtype)  # noqa: E731
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("btd,dhe->bthe", h, w("q"), precision=prec)
@@ -209,7 +194,7 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
         k_all, v_all = k_cache.astype(dtype), v_cache.astype(dtype)
     else:
         k_all, v_all = k, v
-    attn = _attention(q, k_all, v_all, mask_BxTxS, dtype)
+    attn = attend(q, k_all, v_all)
     x = x_BxTxD + jnp.einsum("bthe,hed->btd", attn, w("o"), precision=prec)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate = jnp.einsum("btd,df->btf", h, w("gate"), precision=prec)
@@ -242,7 +227,7 @@ def logits_from_hidden(params: Params, hidden_BxTxD: jax.Array, *, dtype=jnp.flo
                        logits_dtype=jnp.float32) -> Float[Array, "B T V"]:
     """Final projection; split out so losses can project in chunks over T (no full [B,T,V] kept)."""
     out = jnp.einsum("btd,dv->btv", hidden_BxTxD.astype(dtype), lm_head_DxV(params).astype(dtype),
-                     precision=_precision(dtype))
+                     precision=matmul_precision(dtype))
     return out.astype(logits_dtype)
 
 
@@ -255,7 +240,7 @@ def logits_at_ids(params: Params, hidden_BxTxD: jax.Array, ids_BxTxK: Int[Array,
         rows = jnp.take(params["lm_head"].T, ids, axis=0)  # [B,T,K,D]
     else:
         rows = params["embed"][ids]
-    out = jnp.einsum("btd,btkd->btk", hidden_BxTxD.astype(dtype), rows.astype(dtype), precision=_precision(dtype))
+    out = jnp.einsum("btd,btkd->btk", hidden_BxTxD.astype(dtype), rows.astype(dtype), precision=matmul_precision(dtype))
     return out.astype(logits_dtype)
 
 
@@ -280,6 +265,7 @@ def forward(
     return_hidden: bool = False,
     remat: bool = False,
     segment_ids_BxT: Int[Array, "B T"] | None = None,
+    attention: str = "xla",
 ) -> tuple[jax.Array, KVCache | None]:
     """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None).
 
@@ -294,6 +280,8 @@ def forward(
     only each layer's input [B,T,D], not its attention scores and MLP activations.
     `segment_ids_BxT` (no cache): packed rows, a token attends only within its own segment (pass the positions
     restarting at each segment, `opd.packing`).
+    `attention` names the implementation of the attention seam (`jopd.models.attention.ATTENTION`); the forward
+    hands it the structure (padding mask, segment ids, or the cache's slot index and kv mask), not a dense mask.
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -302,24 +290,16 @@ def forward(
         positions_BxT = positions_from_mask(attn_mask_BxT)
     inv_freq = rope_inv_freq(cfg)
     x = constrain_batch(params["embed"].astype(dtype)[tokens_BxT])
+    impl = attention_impl(attention)
     if cache is None:
-        causal = jnp.tril(jnp.ones((T, T), bool))
-        mask = causal[None] & attn_mask_BxT[:, None, :].astype(bool)
-        if segment_ids_BxT is not None:
-            mask = mask & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+        def attend(q, k, v):
+            return impl.causal(q, k, v, mask_BxT=attn_mask_BxT, segment_ids_BxT=segment_ids_BxT, dtype=dtype)
     else:
-        S = cache["k"][0].shape[2]
-        if kv_mask_BxS is None:
-            kv_mask_BxS = jnp.ones((B, S), bool)
-        if jnp.ndim(cache_index) == 0:
-            q_slot = cache_index + jnp.arange(T)
-            mask = (jnp.arange(S)[None, :] <= q_slot[:, None])[None] & kv_mask_BxS[:, None, :].astype(bool)
-        else:  # one write slot per row
-            q_slot_BxT = cache_index[:, None] + jnp.arange(T)[None, :]
-            mask = (jnp.arange(S)[None, None, :] <= q_slot_BxT[:, :, None]) & kv_mask_BxS[:, None, :].astype(bool)
+        def attend(q, k, v):
+            return impl.cached(q, k, v, slot=cache_index, kv_mask_BxS=kv_mask_BxS, dtype=dtype)
 
     def layer_fn(lp, x, k_l, v_l):
-        x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, mask, dtype)
+        x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, attend, dtype)
         return constrain_batch(x), k_l, v_l
 
     if remat:  # prevent_cse=False is safe (and faster) inside scan (and harmless in the unrolled loop)

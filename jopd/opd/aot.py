@@ -44,7 +44,7 @@ from jopd.opd import validate
 from jopd.opd.cross_teacher import CrossTeacher, cross_batch_shapes
 from jopd.opd.roofline import CHIP_PEAKS, Cost, Roofline, chip_of
 from jopd.opd.step import OPDStep, build_step, rollouts_per_prompt
-from jopd.sampling.sampler import RowRandomness
+from jopd.sampling.config import RowRandomness
 
 # HBM per chip (GiB) by `device.device_kind`, with the chip's usual name. Public figures: v4 32 GiB,
 # v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB. A chip may appear as several devices (v4 topologies list

@@ -27,8 +27,8 @@ from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_
 from jopd.opd.run_config import RunConfig
 from jopd.losses.compute import loss_chunk
 from jopd.opd.step import OPDStep, build_step
-from jopd.sampling.sampler import choose_tokens, step_logits
-from jopd.sampling.slots import slot_iterations
+from jopd.sampling import decode
+from jopd.sampling.engines import engine_of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,63 +135,55 @@ def _unstacked(tree):
     return jax.tree.map(unstack, tree, is_leaf=is_params)
 
 
-def _token_choice(step: OPDStep, logits_BxV, u_B, noise_Bx2, t):
-    """The sampler's work per token after the forward (what `sampler.sample_padded`'s pick computes): noise and
-    temperature, the choice, its log-probs, and what the rollout keeps per token."""
-    sampling, precision = step.sampler.sampling, step.sampler.precision
-    scaled = step_logits(logits_BxV, noise_Bx2, t, precision, sampling.temperature)
-    lse = jax.nn.logsumexp(scaled, axis=1)
-    tok, logp = choose_tokens(scaled, u_B, sampling, lse)
-    out = {"tok": tok, "logp": logp, "ulogp": jnp.take_along_axis(scaled, tok[:, None], axis=1)[:, 0] - lse}
+def _choice_out(step: OPDStep, c: decode.Choice, cache) -> dict[str, Any]:
+    """What the rollout keeps per token of `decode.pick`'s choice (the full log-softmax and top-k ids only when
+    returned), and the cache."""
+    sampling = step.sampler.sampling
+    out = {"tok": c.tok_B, "logp": c.logp_B, "ulogp": c.ulogp_B}
     if sampling.return_full_logprobs:
-        out["full"] = scaled - lse[:, None]
+        out["full"] = c.full_BxV
     if sampling.return_topk:
-        out["topk"] = jax.lax.top_k(scaled, sampling.return_topk)[1]
-    return out
+        out["topk"] = c.topk_BxK
+    return out | {"cache": cache}
 
 
 def _prefill(step: OPDStep, params, prompt_BxP, mask_BxP, u_B, noise_Bx2, cache):
-    """The prompts into the KV cache (attending over its full length, as the sampler does) and token 0 chosen."""
-    precision, N = step.sampler.precision, step.cfg.sampling.max_new_tokens
-    kv_mask = jnp.concatenate([mask_BxP, jnp.ones((mask_BxP.shape[0], N), bool)], axis=1)
-    hidden, cache = transformer.forward(params, prompt_BxP, cfg=step.student_cfg, attn_mask_BxT=mask_BxP,
-                                        positions_BxT=transformer.positions_from_mask(mask_BxP), cache=cache,
-                                        cache_index=0, kv_mask_BxS=kv_mask, dtype=precision.dtype,
-                                        logits_dtype=precision.logits_jnp_dtype, return_hidden=True)
-    logits = transformer.logits_from_hidden(params, hidden[:, -1:], dtype=precision.dtype,
-                                            logits_dtype=precision.logits_jnp_dtype)[:, 0]
-    return _token_choice(step, logits, u_B, noise_Bx2, jnp.zeros((), jnp.int32)) | {"cache": cache}
+    """The prompts into the KV cache (`decode.prefill`) and token 0 chosen (`decode.pick`)."""
+    precision, sampling = step.sampler.precision, step.sampler.sampling
+    logits, cache = decode.prefill(params, prompt_BxP, mask_BxP, cache, cfg=step.student_cfg, precision=precision,
+                                   max_new_tokens=step.cfg.sampling.max_new_tokens)
+    c = decode.pick(logits, u_B, noise_Bx2, jnp.zeros((), jnp.int32), precision=precision, sampling=sampling)
+    return _choice_out(step, c, cache)
 
 
 def _decode(step: OPDStep, params, tok_B, cache, kv_mask_BxS, positions_B, cache_index, u_B, noise_Bx2, t):
-    """One decode step: every row's last token through the model against the whole cache, the next token chosen."""
-    precision = step.sampler.precision
-    logits, cache = transformer.forward(params, tok_B[:, None], cfg=step.student_cfg, cache=cache,
-                                        cache_index=cache_index, positions_BxT=positions_B[:, None],
-                                        kv_mask_BxS=kv_mask_BxS, dtype=precision.dtype,
-                                        logits_dtype=precision.logits_jnp_dtype)
-    return _token_choice(step, logits[:, 0], u_B, noise_Bx2, t) | {"cache": cache}
+    """One decode step (`decode.decode_step`): every row's last token against the whole cache, the next chosen."""
+    c, cache = decode.decode_step(params, tok_B, cache, cache_index, positions_B, kv_mask_BxS, u_B, noise_Bx2, t,
+                                  cfg=step.student_cfg, precision=step.sampler.precision,
+                                  sampling=step.sampler.sampling)
+    return _choice_out(step, c, cache)
 
 
 def _rollout_programs(step: OPDStep, ins: StepInputs) -> list[CostProgram]:
     """The prefill (U prompts) and the decode step (one row per slot) with the sampler's shardings, and how many
-    decode steps the engine runs when every row decodes max_new_tokens (`slots.slot_iterations`)."""
+    decode steps the engine runs when every row decodes max_new_tokens (`Engine.decode_steps`)."""
     cfg, sh = step.cfg, step.shardings
     rows, S = step.rollout_rows, ins.slots
     U = rows // step.prefill_group
     Pl, N = cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
     sds, b = jax.ShapeDtypeStruct, sh.batch
     per_row = lambda n, dtype, *tail: sds((n, *tail), dtype, sharding=b)  # noqa: E731
+    engine = engine_of(ins.engine)
     # the static engine writes every row at one slot index (a scalar); the slot engine's rows are at their own steps
     scalar = sds((), jnp.int32, sharding=NamedSharding(step.mesh, PartitionSpec()))
-    index = scalar if ins.engine == 0 else per_row(S, jnp.int32)
-    prefill_cache = ins.cache if ins.engine == 0 else _cache(step, U)
+    index = per_row(S, jnp.int32) if engine.per_row else scalar
+    prefill_cache = _cache(step, U) if engine.per_row else ins.cache
     token_out = {k: b for k in _token_keys(step)}
     prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=5,
                       out_shardings=token_out | {"cache": _shardings_of(prefill_cache)})
     decode = jax.jit(functools.partial(_decode, step), donate_argnums=2,
                      out_shardings=token_out | {"cache": _shardings_of(ins.cache)})
-    steps = slot_iterations(np.full(rows, N), S, step.sampler.shards) if ins.engine else N - 1
+    steps = engine.decode_steps(np.full(rows, N), S, step.sampler.shards)
     return [
         CostProgram("prefill", 1, lambda: prefill.lower(ins.sampler_params, *ins.unique, per_row(U, jnp.float32),
                                                         per_row(U, jnp.uint32, 2), prefill_cache)),

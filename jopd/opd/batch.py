@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jopd.losses import LossBatch
-from jopd.sampling.sampler import SampleOutput
+from jopd.sampling.config import SampleOutput
 
 
 @flax.struct.dataclass

@@ -29,7 +29,8 @@ from jopd.losses.chunked import chunked_map, head_params
 from jopd.losses.divergences import reverse_kl
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
-from jopd.sampling.sampler import Sampler, SamplingConfig
+from jopd.sampling.config import SamplingConfig
+from jopd.sampling.sampler import Sampler
 
 
 @dataclasses.dataclass

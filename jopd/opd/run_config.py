@@ -24,8 +24,8 @@ from jopd.models.families import FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
 from jopd.opd.validate import check_run
+from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PrecisionConfig
-from jopd.sampling.sampler import SamplingConfig
 
 
 @config_dataclass

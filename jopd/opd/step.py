@@ -61,8 +61,9 @@ from jopd.opd.teacher import score_rollout
 from jopd.opd.train_state import TrainState, make_train_step, new_train_state, opt_state_shardings
 from jopd import parallel as meshlib
 from jopd.parallel.distributed import host_local_to_global
+from jopd.sampling.config import RowRandomness, SampleOutput, SamplerShardings, row_randomness
 from jopd.sampling.precision import prepare_sampler_params
-from jopd.sampling.sampler import RowRandomness, SampleOutput, Sampler, SamplerShardings, row_randomness
+from jopd.sampling.sampler import Sampler
 
 
 def rollout_seed(train_seed: int) -> int:

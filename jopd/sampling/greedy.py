@@ -7,8 +7,9 @@ import numpy as np
 from jaxtyping import Int
 
 from jopd.models.config import ModelConfig
+from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PrecisionConfig
-from jopd.sampling.sampler import Sampler, SamplingConfig
+from jopd.sampling.sampler import Sampler
 
 
 def greedy_tokens(params, cfg: ModelConfig, prompt: list[int], max_new_tokens: int, *, compute_dtype: str = "fp32",

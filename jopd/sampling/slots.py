@@ -4,7 +4,7 @@ A fixed number of decode slots S serves the step's R rows (R = U prompts x G sam
 prefilled once, in one batched pass; a slot takes a row by copying its prompt's KV cache into its own and
 starting from the token the prompt's last position chose for that row. When a row stops, its slot takes the
 next pending row at once, so no decode step is spent on a finished row while rows are pending (the static
-engine, `sampler.sample_padded`, runs every row until the longest stops). Rows are served in order, per batch
+engine, `static.sample_static`, runs every row until the longest stops). Rows are served in order, per batch
 shard (`shards`: a slot takes only rows of its own shard, so no KV cache crosses devices).
 
 A row's sample depends only on its prompt and its randomness (`row_randomness`: one uniform per step, the
@@ -21,6 +21,8 @@ from jaxtyping import Array, Bool, Int
 
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
+from jopd.sampling import decode
+from jopd.sampling.config import RowRandomness, SampleOutput, SamplingConfig, stop_and_pad_ids
 from jopd.sampling.precision import PrecisionConfig
 
 
@@ -37,20 +39,18 @@ def sample_slots(
     params: transformer.Params,
     prompt_UxP: Int[Array, "U P"],
     prompt_mask_UxP: Bool[Array, "U P"],
-    rand,
+    rand: RowRandomness,
     cache: transformer.KVCache,
     *,
     cfg: ModelConfig,
     precision: PrecisionConfig,
-    sampling,
+    sampling: SamplingConfig,
     group: int = 1,
     shards: int = 1,
-):
+) -> SampleOutput:
     """Sample G = `group` responses per left-padded prompt on the cache's S slots; R = U * G rows in prompt
     order (row r samples prompt r // G with `rand`'s row r). Returns the static engine's `SampleOutput` for the
     R rows (the slots' cache handed back). Pure; `Sampler` jits it with the cache donated."""
-    from jopd.sampling.sampler import SampleOutput, choose_tokens, step_logits, stop_and_pad_ids
-
     U, P = prompt_UxP.shape
     R, N = rand.uniforms_BxN.shape
     S, _, L, _ = cache["k"][0].shape
@@ -60,36 +60,23 @@ def sample_slots(
     Sl, Rl, Ul = S // shards, R // shards, U // shards
     V = cfg.vocab_size
     params = transformer.unstack_layers(params)
-    fwd = dict(cfg=cfg, dtype=precision.dtype, logits_dtype=precision.logits_jnp_dtype)
+    choice = dict(precision=precision, sampling=sampling)
     stop_ids, pad_id = stop_and_pad_ids(cfg, sampling)
     mask_UxP = prompt_mask_UxP.astype(bool)
     n_prompt_U = jnp.sum(mask_UxP, axis=1, dtype=jnp.int32)
 
     # 1. Prefill every prompt once, into buffers of the slots' length (the static engine's prefill arithmetic).
     pcache = jax.tree.map(lambda c: jnp.zeros((U,) + c.shape[1:], c.dtype), cache)
-    hidden, pcache = transformer.forward(params, prompt_UxP, attn_mask_BxT=mask_UxP, cache=pcache, cache_index=0,
-                                         positions_BxT=transformer.positions_from_mask(mask_UxP),
-                                         kv_mask_BxS=jnp.concatenate([mask_UxP, jnp.ones((U, N), bool)], axis=1),
-                                         return_hidden=True, **fwd)
+    logits_UxV, pcache = decode.prefill(params, prompt_UxP, mask_UxP, pcache, cfg=cfg, precision=precision,
+                                        max_new_tokens=N)
     prompt_kv = jax.tree.map(lambda c: c[:, :, :P], pcache)  # [U, K, P, Dh] per layer
-    logits_UxV = transformer.logits_from_hidden(params, hidden[:, -1:], dtype=precision.dtype,
-                                                logits_dtype=precision.logits_jnp_dtype)[:, 0]
 
     row_prompt_R = jnp.arange(R) // group  # global prompt of each row (in its row's shard)
 
-    def pick(logits_XxV, rows_X, t_X):
-        """Token t of each given row (its own uniform and noise draw at t), as the static engine picks it."""
-        scaled = step_logits(logits_XxV, rand.noise_key_data_Bx2[rows_X], t_X, precision, sampling.temperature)
-        u = rand.uniforms_BxN[rows_X, t_X]
-        lse = jax.nn.logsumexp(scaled, axis=1)
-        tok, logp = choose_tokens(scaled, u, sampling, lse)
-        ulogp = jnp.take_along_axis(scaled, tok[:, None], axis=1)[:, 0] - lse
-        topk = jax.lax.top_k(scaled, sampling.return_topk)[1] if sampling.return_topk else None
-        return tok, logp, ulogp, scaled - lse[:, None], topk
-
     # 2. Token 0 of every row, from its prompt's last position (one batched head + pick, not one per refill).
-    all_rows = jnp.arange(R)
-    tok0, logp0, ulogp0, full0, topk0 = pick(logits_UxV[row_prompt_R], all_rows, jnp.zeros((R,), jnp.int32))
+    zero_R = jnp.zeros((R,), jnp.int32)
+    tok0, logp0, ulogp0, full0, topk0 = decode.pick(logits_UxV[row_prompt_R], rand.uniforms_BxN[:, 0],
+                                                    rand.noise_key_data_Bx2, zero_R, **choice)
     stop0 = jnp.isin(tok0, stop_ids)
 
     out = {"tokens": jnp.full((R, N), pad_id, jnp.int32).at[:, 0].set(tok0),
@@ -133,11 +120,10 @@ def sample_slots(
         row, t, live = state["row"], state["t"], state["live"]
         prompt = row_prompt_R[row]
         kv_mask = jnp.concatenate([mask_UxP[prompt], jnp.arange(N)[None, :] < t[:, None]], axis=1)
-        logits, state["cache"] = transformer.forward(
-            params, state["tok"][:, None], cache=state["cache"], cache_index=P + t - 1,
-            positions_BxT=(n_prompt_U[prompt] + t - 1)[:, None], kv_mask_BxS=kv_mask, **fwd)
         t_safe = jnp.minimum(t, N - 1)  # a finished slot's t may be N: its pick is discarded
-        tok, logp, ulogp, full, topk = pick(logits[:, 0], row, t_safe)
+        (tok, logp, ulogp, full, topk), state["cache"] = decode.decode_step(
+            params, state["tok"], state["cache"], P + t - 1, n_prompt_U[prompt] + t - 1, kv_mask,
+            rand.uniforms_BxN[row, t_safe], rand.noise_key_data_Bx2[row], t_safe, cfg=cfg, **choice)
         o = state["out"]
         at = (jnp.where(live, row, R), t_safe)  # finished slots write nowhere
         o["tokens"] = o["tokens"].at[at].set(tok, mode="drop")

@@ -16,7 +16,7 @@ from jopd.opd.run_config import load_config
 from jopd.opd.batch import RolloutArrays
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
-from jopd.sampling.sampler import SampleOutput
+from jopd.sampling.config import SampleOutput
 from tests.helpers.tiny_params import numpy_params
 
 STUDENT = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

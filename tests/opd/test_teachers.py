@@ -18,7 +18,7 @@ from jopd.opd.step import build_step
 from jopd.opd.teacher import teacher_fields
 from jopd.opd.teachers import shard_order
 from jopd.parallel import mesh as M
-from jopd.sampling.sampler import SampleOutput
+from jopd.sampling.config import SampleOutput
 from tests.helpers.tiny_params import numpy_params
 
 V = 64

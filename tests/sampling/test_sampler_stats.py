@@ -13,8 +13,9 @@ from jopd.lab.position_kl import trainer_response_logits
 from jopd.losses.is_correction import exact_kl_BxT
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
+from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PrecisionConfig, precision_from_name, prepare_sampler_params
-from jopd.sampling.sampler import Sampler, SamplingConfig
+from jopd.sampling.sampler import Sampler
 from tests.helpers.tiny_params import numpy_params
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -12,8 +12,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jopd.models.config import ModelConfig
 from jopd.models import transformer as T
+from jopd.sampling.config import SamplerShardings, SamplingConfig, row_randomness
 from jopd.sampling.precision import PrecisionConfig
-from jopd.sampling.sampler import Sampler, SamplerShardings, SamplingConfig, row_randomness
+from jopd.sampling.sampler import Sampler
 from jopd.sampling.slots import slot_iterations
 from tests.helpers.tiny_params import numpy_params
 
