@@ -461,8 +461,10 @@ def _check_teacher_tuples(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs, cross) -> 
     vocabulary (scored directly: same `vocab_size`); without it, None for all."""
     n = len(cfg.teacher_sources())
     if not isinstance(t_cfgs, tuple) or len(t_cfgs) != n:
-        raise ValueError(f"build_step: {n} teachers in RunConfig.teachers, but t_cfg is "
-                         f"{'a tuple of ' + str(len(t_cfgs)) if isinstance(t_cfgs, tuple) else 'one ModelConfig'}")
+        where = f"{n} teachers in RunConfig.teachers" if cfg.teachers else "one RunConfig.teacher"
+        raise ValueError(f"build_step: {where}, but t_cfg is "
+                         f"{'a tuple of ' + str(len(t_cfgs)) if isinstance(t_cfgs, tuple) else 'one ModelConfig'} "
+                         f"(a tuple of one ModelConfig per teacher)")
     if not isinstance(cross, tuple) or len(cross) != n:
         raise ValueError(f"build_step: {n} teachers with loss.cross_tokenizer need `cross` as a tuple "
                          f"of as many (None: a teacher of the student's vocabulary)")
