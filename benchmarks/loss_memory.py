@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jopd.losses import LossBatch, LossConfig, reverse_kl, token_loss, token_loss_from_logits  # noqa: E402
-from jopd.opd.teacher import teacher_scores, teacher_topk  # noqa: E402
+from jopd.opd.teacher_scoring import teacher_scores, teacher_topk  # noqa: E402
 from jopd.models import transformer as tfm  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402
 

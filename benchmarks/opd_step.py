@@ -117,7 +117,7 @@ def with_loss_kind(run: loop.OPDRun, kind: str) -> loop.OPDRun:
     production `build_step`."""
     st = run.step
     cfg = dataclasses.replace(run.cfg, loss=dataclasses.replace(run.cfg.loss, kind=kind))
-    step = build_step(cfg, st.student_cfg, st.teacher_cfg, st.mesh, run.tokenizer)
+    step = build_step(cfg, st.student_cfg, st.teacher_cfgs, st.mesh, run.tokenizer, st.cross)
     return without_eos(dataclasses.replace(run, cfg=cfg, step=step))
 
 
@@ -266,16 +266,16 @@ def bench_setup(name: str, run, state, batches, repeats: int) -> tuple[dict, obj
     state, update_full_s = time_update_part(with_loss_kind(run, "rkl"), state, fixed, repeats)
     res = {"name": name, "batch": B, "prompt_len": int(batches[0]["prompt_tokens"].shape[1]), "new_tokens": N,
            "tokens_per_step": tokens, "student_layers": st.student_cfg.num_layers,
-           "teacher_layers": st.teacher_cfg.num_layers, "vocab": st.student_cfg.vocab_size,
+           "teacher_layers": st.teacher_cfgs[0].num_layers, "vocab": st.student_cfg.vocab_size,
            "loss": st.loss_cfg.kind, "top_k": st.loss_cfg.top_k, "mismatch": run.cfg.train.mismatch,
            "stage_s": med, "compile_s": {k: max(first[k] - med[k], 0.0) for k in STAGES},
            "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
            "step_s": step_s, "step_tokens_per_s": tokens / step_s, "blocked_sum_s": sum(med.values()),
            "update_part_s": update_part_s, "update_part_tokens_per_s": tokens / update_part_s,
-           "update_matmul_gflop": update_matmul_flops(st.teacher_cfg, st.student_cfg, B,
+           "update_matmul_gflop": update_matmul_flops(st.teacher_cfgs[0], st.student_cfg, B,
                                                       int(batches[0]["prompt_tokens"].shape[1]), N,
                                                       st.loss_cfg.top_k) / 1e9,
-           "update_matmul_floor_s": update_matmul_floor_s(st.teacher_cfg, st.student_cfg, B,
+           "update_matmul_floor_s": update_matmul_floor_s(st.teacher_cfgs[0], st.student_cfg, B,
                                                           int(batches[0]["prompt_tokens"].shape[1]), N),
            "update_part_full_vocab_s": update_full_s, "update_part_full_vocab_tokens_per_s": tokens / update_full_s,
            "load_avg_end": load_avg()}
@@ -502,7 +502,7 @@ def main() -> int:
             over = [f"data.batch_size={args.batch}", f"sampling.max_new_tokens={args.new_tokens}",
                     f"train.mismatch={args.mismatch}"]
             run, state, pair = build_smollm2(work, args.student_layers, over)
-            name = f"smollm2 {run.step.teacher_cfg.num_layers}L -> {args.student_layers}L"
+            name = f"smollm2 {run.step.teacher_cfgs[0].num_layers}L -> {args.student_layers}L"
             batches = random_prompt_batches(args.repeats + 1, args.batch, args.prompt_tokens, run.step.student_cfg.vocab_size)
             log(f"{name}: timing stages")
             res, fixed, state = bench_setup(name, run, state, batches, args.repeats)

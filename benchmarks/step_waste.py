@@ -126,8 +126,8 @@ def skewed(mode: str, slots: int, student_layers: int, batch: int, arch_path: st
         f"data.batch_size={batch}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
         "sampling.top_p=0.95", f"sampling.stop_token_ids={stop}", "train.mismatch=estimators", "mesh.data=1",
         "loss.kind=topk_rkl_tail", "loss.top_k=32", "optim.warmup_steps=0"])
-    step = build_step(cfg, s_cfg, t_cfg, meshlib.make_mesh(cfg.mesh, jax.devices()[:1]))
-    teacher = jax.device_put(transformer.init_params(t_cfg, jax.random.key(1)), step.shardings.teacher)
+    step = build_step(cfg, s_cfg, (t_cfg,), meshlib.make_mesh(cfg.mesh, jax.devices()[:1]))
+    teacher = jax.device_put((transformer.init_params(t_cfg, jax.random.key(1)),), step.shardings.teacher)
     run = loop.OPDRun(cfg, step, teacher, tokenizer=None)
     state = step.init_state(transformer.init_params(s_cfg, jax.random.key(0)))
 

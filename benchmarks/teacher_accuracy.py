@@ -14,8 +14,10 @@ import time
 
 import jax
 
+from jopd.data.mixture import task_sources
 from jopd.opd.evaluate import evaluate_heldout
 from jopd.opd.loop import build
+from jopd.opd.routing import Routing
 from jopd.opd.run_config import load_config
 
 
@@ -30,13 +32,15 @@ def main() -> None:
     run, _ = build(cfg)
     print(json.dumps({"build_s": round(time.perf_counter() - t0, 1)}), flush=True)
     params = jax.device_get(run.teacher_params)
-    names = [t.name for t in cfg.teachers] or ["teacher"]  # several teachers: each on every task's problems
-    for name, teacher, t_cfg in zip(names, params if cfg.teachers else (params,), run.step.teacher_cfgs):
+    tasks = tuple(s.name for s in task_sources(cfg.data))
+    for src, teacher, t_cfg in zip(cfg.teacher_sources(), params, run.step.teacher_cfgs):  # each on every task
+        name = src.name
         for greedy in (False, True):
             t1 = time.perf_counter()
             s = dataclasses.replace(cfg.sampling, max_new_tokens=cfg.train.eval_max_new_tokens, greedy=greedy)
-            res = evaluate_heldout(teacher, teacher, s_cfg=t_cfg, t_cfg=t_cfg, tokenizer=run.tokenizer,
+            res = evaluate_heldout(teacher, (teacher,), s_cfg=t_cfg, t_cfgs=(t_cfg,), tokenizer=run.tokenizer,
                                    data_cfg=cfg.data, sampling=s, seed=cfg.train.eval_seed,
+                                   routing=Routing.one(name, tasks),
                                    max_problems=args.problems or cfg.train.eval_problems)
             print(json.dumps({"teacher": name, "mode": "greedy" if greedy else "sampled", **res.summary(),
                               "examples": res.responses[:3], "eval_s": round(time.perf_counter() - t1, 1)}),

@@ -4,7 +4,7 @@ A source is a registered task (`jopd.data.tasks`), or a label of the JSONL files
 problems of `data.train_path` / `data.heldout_path` whose `task` is that label, graded like task=jsonl). Every
 batch holds a fixed number of each source's prompts, batch_size * weight / sum(weights) (it must be whole), so a
 step always has the same rows per task: several teachers can then each score their own rows with static shapes
-(`opd.teachers`). Without `data.mix` the run has one source, `data.task`.
+(`opd.routing`). Without `data.mix` the run has one source, `data.task`.
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ def _setup(run, options: ProbeOptions, teacher: int, source: TaskSource) -> _Set
         raise ValueError(f"cut=first_error: task {source.name!r} has no step checker (its steps are not checkable)")
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=False,
                                    max_new_tokens=options.max_new_tokens or cfg.train.eval_max_new_tokens)
-    params = run.teacher_params[teacher] if run.step.routing is not None else run.teacher_params
+    params = run.teacher_params[teacher]
     params = jax.device_get(params) if jax.process_count() == 1 else params
     return _Setup(tokenizer=run.tokenizer, student_cfg=run.step.student_cfg, teacher_cfg=run.step.teacher_cfgs[teacher],
                   teacher_params=params, sampling=sampling, cut=cut, task=task,
@@ -489,7 +489,7 @@ def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOpt
                 "max_new_tokens": sp.max_new_tokens,
                 "fractions": list(options.fractions) if su.cut == "fractions" else None,
                 "resamples": options.resamples, "task": source.name}
-    if run.step.routing is not None:
+    if run.cfg.teachers:  # named in the config: the report says which
         settings["teacher"] = run.step.routing.names[teacher]
     return ProbeReport(n_problems=len(problems), n_wrong=len(wrong) + len(restated), skipped=cuts.skipped,
                        kinds=cuts.kinds, samples=options.samples, cut=su.cut, sets=sets,
@@ -502,14 +502,12 @@ def probe_pairs(run) -> list[tuple[str, int, TaskSource]]:
     tasks or teachers: each teacher on each task it teaches (its `tasks`, else every task of the run), labelled
     "<teacher>/<task>" (a single teacher: "<task>")."""
     sources = task_sources(run.cfg.data)
-    routing = run.step.routing
-    if routing is None:
-        return [("" if len(sources) == 1 else s.name, 0, s) for s in sources]
     out = []
-    for i, t in enumerate(run.cfg.teachers):
+    for i, t in enumerate(run.cfg.teacher_sources()):
         for s in sources:
-            if not t.tasks or s.name in t.tasks:
-                out.append((f"{t.name}/{s.name}", i, s))
+            if not t.tasks or s.name in t.tasks:  # the labels name a teacher the config names
+                label = f"{t.name}/{s.name}" if run.cfg.teachers else "" if len(sources) == 1 else s.name
+                out.append((label, i, s))
     return out
 
 

@@ -1,6 +1,6 @@
 """Chunked projection to logits: map a per-position function over T-chunks so that at most one chunk of
 [B, chunk, V] logits exists at a time (and, under `jax.checkpoint`, the backward pass recomputes each chunk's
-logits instead of storing them). The student's loss and the teacher's scoring (`jopd.opd.teacher`) both use it."""
+logits instead of storing them). The student's loss and the teacher's scoring (`jopd.opd.teacher_scoring`) both use it."""
 
 from __future__ import annotations
 

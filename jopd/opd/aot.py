@@ -141,20 +141,13 @@ def cross_tokenizers(cfg: RunConfig) -> tuple[Any, tuple[Any, ...]]:
 
 
 def sizing_crosses(cfg: RunConfig, student_tok, teacher_toks, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...]):
-    """`build_step`'s `cross` for sizing: the one teacher's (`sizing_cross_teacher`), or, with `teachers`, one per
-    teacher, None for a teacher that shares the student's vocabulary (its tokenizer the student's; without
-    tokenizers, the same vocabulary size)."""
-    from jopd.opd.model_sources import shares_vocabulary
+    """`build_step`'s `cross` for sizing, one per teacher: its `sizing_cross_teacher`, None for a teacher that scores
+    the student's tokens (`model_sources.scores_student_tokens`)."""
+    from jopd.opd.model_sources import scores_student_tokens
 
-    def shares(tok, t_cfg):
-        if student_tok is not None and tok is not None:
-            return shares_vocabulary(student_tok, tok)
-        return t_cfg.vocab_size == s_cfg.vocab_size
-
-    size = lambda tok, t_cfg: sizing_cross_teacher(student_tok, tok, s_cfg, t_cfg, cfg.data.system_prompt)  # noqa: E731
-    if not cfg.teachers:
-        return size(teacher_toks[0], t_cfgs[0])
-    return tuple(None if shares(tok, m) else size(tok, m) for tok, m in zip(teacher_toks, t_cfgs))
+    return tuple(None if scores_student_tokens(cfg, student_tok, tok, s_cfg, m) else
+                 sizing_cross_teacher(student_tok, tok, s_cfg, m, cfg.data.system_prompt)
+                 for tok, m in zip(teacher_toks, t_cfgs))
 
 
 def sizing_cross_teacher(student_tok, teacher_tok, s_cfg: ModelConfig, t_cfg: ModelConfig,
@@ -348,17 +341,16 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     devices = list(jax.devices() if devices is None else devices)
     chip = _chip(devices, chip) if cost else None  # before any compile: an unknown chip fails fast
     crossed = cfg.loss.cross_tokenizer != "off"
-    roles = [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
+    roles = list(zip(cfg.teacher_roles(), cfg.teacher_sources()))
     s_tok, t_toks = cross_tokenizers(cfg) if crossed else (None, (None,) * len(roles))
     s_cfg = model_config_of(cfg.student, "student", s_tok)
     t_cfgs = tuple(model_config_of(src, role, tok) for (role, src), tok in zip(roles, t_toks))
-    t_cfg = t_cfgs[0]
-    cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else None
-    own_tok = cross if isinstance(cross, tuple) else (cross,) * len(roles)  # None: the student's vocabulary
+    cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else (None,) * len(roles)
+    own_tok = cross  # None: the student's vocabulary
     # the vocabularies and the contexts, as `jopd train` checks them
     validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))
     mesh = meshlib.make_mesh(cfg.mesh, devices)
-    step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfg, mesh, cross=cross)
+    step = build_step(cfg, s_cfg, t_cfgs, mesh, cross=cross)
     inputs = step_inputs(step)
     programs, buffers = _stage_programs(step, inputs)
 
@@ -377,10 +369,9 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
                      "vocab": m.vocab_size}
               for role, m, src in [("student", s_cfg, cfg.student)]
-              + [(t.name if cfg.teachers else "teacher", m, t) for t, m in zip(cfg.teacher_sources(), t_cfgs)]}
+              + [(t.name, m, t) for t, m in zip(cfg.teacher_sources(), t_cfgs)]}
     # each teacher's parameters per device under its `placement` (held all run long: in `teacher_params`)
-    held = inputs.teacher if step.routing is not None else (inputs.teacher,)
-    for name, src, params in zip(list(models)[1:], cfg.teacher_sources(), held):
+    for name, src, params in zip(list(models)[1:], cfg.teacher_sources(), inputs.teacher):
         models[name] |= {"placement": src.placement, "bytes_per_device": _bytes(params)}
     shapes = {"batch": cfg.data.batch_size * rollouts_per_prompt(cfg), "prompt_len": cfg.data.max_prompt_len,
               "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
@@ -469,8 +460,8 @@ def step_inputs(step: OPDStep) -> StepInputs:
     batch = with_sampler_full_logprobs(jax.eval_shape(step.score_fn, teacher, scoring_input(rollout), *reference),
                                        rollout)
     batch = _abstract(batch, jax.tree.map(lambda _: sh.batch, batch))
-    scorer = teacher[step.routing.scorer] if step.routing is not None else teacher
-    head = (head_params(scorer),) if step.uses_teacher_head else ()  # the full-vocabulary kinds read it per chunk
+    # the full-vocabulary kinds read the scoring teacher's head per chunk
+    head = (head_params(teacher[step.routing.scorer]),) if step.uses_teacher_head else ()
     return StepInputs(state=state, teacher=teacher, key=key, sampler_params=sampler_params, cache=cache,
                       unique=unique, rand=rand, rollout=rollout, reference=reference, batch=batch, head=head,
                       engine=engine, slots=slots)
@@ -484,12 +475,12 @@ def _cache(step: OPDStep, rows: int):
     return _abstract(shapes, jax.tree.map(lambda _: step.shardings.cache, shapes))
 
 
-def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig, mesh):
+def stage_programs(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh):
     """The stages of `opd.step.build_step` (the very jitted functions `jopd train` calls), each with a thunk
     lowering it from abstract inputs, and the bytes per device of other stages' buffers alive while it runs.
     Returns ({stage: (lower, resident)}, {long-lived buffer: bytes per device})."""
     # Special-token masking needs the tokenizer but does not change any shape or memory.
-    step = build_step(cfg, s_cfg, t_cfg, mesh)
+    step = build_step(cfg, s_cfg, t_cfgs, mesh)
     return _stage_programs(step, step_inputs(step))
 
 

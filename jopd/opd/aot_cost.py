@@ -55,7 +55,7 @@ def cost_programs(step: OPDStep, ins: StepInputs) -> dict[str, list[CostProgram]
     chunks' from one-layer steps (`_chunk_programs`: a single chunk of every position may not fit the device).
     The weight sync has no loop: its own program is its cost program."""
     cfg = step.cfg
-    flat = build_step(_cost_config(cfg, cfg.loss.chunk_size), step.student_cfg, step.teacher_cfg, step.mesh,
+    flat = build_step(_cost_config(cfg, cfg.loss.chunk_size), step.student_cfg, step.teacher_cfgs, step.mesh,
                       cross=step.cross)
     score = jax.jit(_unjitted(flat.score_fn), out_shardings=step.shardings.batch)
     state = _unstacked(ins.state)
@@ -93,8 +93,7 @@ def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
     c2 = c // 2 if c > 1 else 2
     one_layer = lambda m: dataclasses.replace(m, num_layers=1)  # noqa: E731
     teacher = tuple(map(one_layer, step.teacher_cfgs))
-    at = {k: build_step(_cost_config(cfg, k), one_layer(step.student_cfg),
-                        teacher if step.routing is not None else teacher[0], step.mesh, cross=step.cross)
+    at = {k: build_step(_cost_config(cfg, k), one_layer(step.student_cfg), teacher, step.mesh, cross=step.cross)
           for k in (c, c2)}
     ins = step_inputs(at[c])
     scored = scoring_input(ins.rollout)
@@ -275,10 +274,10 @@ def step_model_flops(step: OPDStep) -> dict[str, float]:
 
 
 def teacher_rows(step: OPDStep) -> tuple[int, ...]:
-    """The rows each teacher scores per step: all of them (one teacher, a mixture), its own (routing=task), or
-    all for the one a routing names and none for the others."""
+    """The rows each teacher scores per step: all of them (a mixture), its own (routing=task), or all for the one a
+    routing names (the one teacher) and none for the others."""
     B, routing = step.rollout_rows, step.routing
-    if routing is None or routing.mode == "mixture":
+    if routing.mode == "mixture":
         return (B,) * len(step.teacher_cfgs)
     if routing.mode == "task":
         return tuple(n * routing.shards for n in routing.shard_rows)

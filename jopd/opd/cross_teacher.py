@@ -13,7 +13,7 @@ sequence and its scores are brought to the student's response layout:
   is the teacher's next-character distribution given the text; a lower bound of the teacher's next-text
   probability elsewhere (`crosstok.project`, docs/cross_tokenizer.md "When it is exact").
 
-Among several teachers (`opd.teachers`), each teacher with another tokenizer aligns and scores only its own rows
+Among several teachers (`opd.routing`), each teacher with another tokenizer aligns and scores only its own rows
 (`align_routed`), and a teacher of the student's vocabulary writes the same fields with every token its own span
 (`same_vocab_fields`).
 
@@ -137,7 +137,7 @@ def align_routed(crosses, teacher_B: np.ndarray, user_turns, tokens_BxN: np.ndar
     """`CrossTeacher.align` for rows of several teachers: each teacher with another tokenizer (`crosses[i]`) aligns
     its own rows (`teacher_B == i`) with its own pair; the rows of a teacher of the student's vocabulary (None) stay
     empty (it scores the student's tokens: `same_vocab_fields`) and never fail. One teacher's rows of the arrays
-    are only read by that teacher (`teachers.routed_teacher_fields` slices them)."""
+    are only read by that teacher (`scoring.routed_teacher_fields` slices them)."""
     arrays, reasons = None, [None] * len(teacher_B)
     for i, cross in enumerate(crosses):
         own = np.asarray(teacher_B) == i
@@ -191,7 +191,7 @@ def same_vocab_fields(
     chunk: int,
 ) -> dict[str, jax.Array]:
     """`cross_teacher_fields`' fields from a teacher of the student's own vocabulary, one of several teachers of a
-    cross-tokenizer run (`opd.teachers`): it scores the student's tokens as sampled, so every response token is its
+    cross-tokenizer run (`opd.routing`): it scores the student's tokens as sampled, so every response token is its
     own aligned span (both sides sit at a token boundary after each token) and its distribution needs no
     projection. sampled: span k is token k, with the teacher's log p_t(y_k) (so `xtok_sampled` is `sampled_opd`
     with gamma = 0 on these rows); dense: every position is a span start, with the student's top-K ids and the

@@ -29,6 +29,7 @@ from jopd.losses.chunked import chunked_map, head_params
 from jopd.losses.divergences import reverse_kl
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
+from jopd.opd.routing import Routing
 from jopd.sampling.config import SamplingConfig
 from jopd.sampling.sampler import Sampler
 
@@ -112,7 +113,7 @@ def mixture_divergence_BxN(student_params, teachers_params, tokens_BxT, attn_mas
                            t_cfgs: tuple[ModelConfig, ...], log_weights: tuple[float, ...], n_response: int,
                            chunk: int = 64, temperature: float = 1.0):
     """Per response position, the full-vocab KL(student ‖ mixture) with log p_mix = logsumexp_i(log w_i +
-    log p_i) over the teachers (`opd.teachers`, routing=mixture)."""
+    log p_i) over the teachers (`opd.routing`, routing=mixture)."""
     s_head = head_params(student_params)
     heads = [head_params(p) for p in teachers_params]
     inputs = {"s": transformer.response_hidden(student_params, s_cfg, tokens_BxT, attn_mask_BxT, n_response)}
@@ -126,27 +127,6 @@ def mixture_divergence_BxN(student_params, teachers_params, tokens_BxT, attn_mas
         return {"kl": reverse_kl(ls, jax.nn.logsumexp(jnp.stack(parts), axis=0))}
 
     return chunked_map(one, inputs, chunk)["kl"]
-
-
-def routed_divergence_B(student_params, teacher_params, task_id_B, *, s_cfg, t_cfgs, routing, tokens, attn, n_response,
-                        temperature: float) -> np.ndarray:
-    """Per row, the mean divergence over its response against its task's teacher (`Routing.eval_teacher`): every
-    teacher that some row needs runs on the whole batch, and each row keeps its own."""
-    targets = np.asarray([routing.eval_teacher(int(t)) for t in task_id_B], object)
-    resp_mask = attn[:, -n_response:]
-    out = np.full(len(task_id_B), np.nan)
-    for target in dict.fromkeys(targets.tolist()):
-        if target is None:
-            kl = mixture_divergence_BxN(student_params, tuple(teacher_params), tokens, attn, s_cfg=s_cfg,
-                                        t_cfgs=tuple(t_cfgs), log_weights=routing.log_weights, n_response=n_response,
-                                        temperature=temperature)
-        else:
-            kl = teacher_divergence_BxN(student_params, teacher_params[target], tokens, attn, s_cfg=s_cfg,
-                                        t_cfg=t_cfgs[target], n_response=n_response, temperature=temperature)
-        rows = targets == target
-        kl = np.asarray(kl)[rows]
-        out[rows] = (kl * resp_mask[rows]).sum(1) / np.maximum(resp_mask[rows].sum(1), 1)
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("t_cfg", "temperature"))
@@ -192,30 +172,54 @@ def _teacher_token_logprobs(teacher_params, tokens_BxT, attn_mask_BxT, targets_B
     return jnp.sum(out["span_teacher_logprobs_BxT"], axis=1)
 
 
-def routed_cross_divergence_B(student_params, teacher_params, task_id_B, *, t_cfgs, routing, crosses, tokenizer, batch,
-                              out, tokens, attn, temperature: float) -> np.ndarray:
-    """`cross_divergence_B` per row against its task's teacher (`Routing.eval_teacher`) in a cross-tokenizer run
-    with several teachers: a teacher with another tokenizer scores its own tokenization of the text, one of the
-    student's vocabulary the student's tokens (its training signal); both per character."""
-    targets = np.asarray([routing.eval_teacher(int(t)) for t in task_id_B])
+def _response_mean(kl_BxN, resp_mask_BxN) -> np.ndarray:
+    """Per row, the mean of a per-position divergence over its response."""
+    kl = np.asarray(kl_BxN)
+    return (kl * resp_mask_BxN).sum(1) / np.maximum(resp_mask_BxN.sum(1), 1)
+
+
+def heldout_divergence_B(student_params, teacher_params: tuple[Any, ...], task_id_B, *, s_cfg: ModelConfig,
+                         t_cfgs: tuple[ModelConfig, ...], routing: Routing, crosses: tuple[Any, ...],
+                         per_character: bool, tokenizer, batch, out, tokens, attn, temperature: float) -> np.ndarray:
+    """Per row, its response's divergence to its task's teacher (`Routing.eval_teacher`; one teacher: every row's):
+    every teacher that some row needs scores the whole batch, and each row keeps its own. Against a mixture or a
+    teacher of the student's vocabulary, the full-vocabulary KL(student ‖ teacher) per token; in a cross-tokenizer
+    run (`per_character`) the sampled reverse KL of the text per character, a teacher with another tokenizer
+    (`crosses[i]`) scoring its own tokenization, one of the student's vocabulary the student's tokens."""
+    targets = np.asarray([routing.eval_teacher(int(t)) for t in task_id_B], object)
+    N = out.tokens_BxN.shape[1]
     result = np.full(len(task_id_B), np.nan)
     for target in dict.fromkeys(targets.tolist()):
-        if crosses[target] is not None:
-            div = cross_divergence_B(crosses[target], teacher_params[target], t_cfgs[target], batch, out, temperature)
-        else:
+        rows = targets == target
+        if target is None:
+            kl = mixture_divergence_BxN(student_params, tuple(teacher_params), tokens, attn, s_cfg=s_cfg,
+                                        t_cfgs=tuple(t_cfgs), log_weights=routing.log_weights, n_response=N,
+                                        temperature=temperature)
+            div = _response_mean(np.asarray(kl)[rows], attn[rows, -N:])
+        elif crosses[target] is not None:
+            div = cross_divergence_B(crosses[target], teacher_params[target], t_cfgs[target], batch, out,
+                                     temperature)[rows]
+        elif per_character:
             t_lp = _teacher_token_logprobs(teacher_params[target], tokens, attn, out.tokens_BxN.astype(np.int32),
                                            t_cfg=t_cfgs[target], temperature=temperature)
-            div = _per_character(t_lp, out, tokenizer)
-        result[targets == target] = div[targets == target]
+            div = _per_character(t_lp, out, tokenizer)[rows]
+        else:
+            kl = teacher_divergence_BxN(student_params, teacher_params[target], tokens, attn, s_cfg=s_cfg,
+                                        t_cfg=t_cfgs[target], n_response=N, temperature=temperature)
+            div = _response_mean(np.asarray(kl)[rows], attn[rows, -N:])
+        result[rows] = div
     return result
 
 
-def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cfg: ModelConfig, tokenizer,
-                     data_cfg: DataConfig, sampling: SamplingConfig, seed: int, max_problems: int,
-                     desc: str = "eval", cross=None, routing=None) -> EvalResult:
+def evaluate_heldout(student_params, teacher_params: tuple[Any, ...], *, s_cfg: ModelConfig,
+                     t_cfgs: tuple[ModelConfig, ...], tokenizer, data_cfg: DataConfig, sampling: SamplingConfig,
+                     seed: int, max_problems: int, routing: Routing, desc: str = "eval",
+                     crosses: tuple[Any, ...] | None = None, per_character: bool = False) -> EvalResult:
     """Sample one response per held-out problem (randomness keyed by the problem id), then score it. With
-    `data.mix`, the first `max_problems` of each task, each graded by its task; with several teachers
-    (`routing`; `teacher_params` and `t_cfg` tuples), each row's divergence is to its task's teacher."""
+    `data.mix`, the first `max_problems` of each task, each graded by its task. `teacher_params`, `t_cfgs` and
+    `crosses` (None: no teacher with another tokenizer) hold one entry per teacher; each row's divergence is to
+    its task's teacher under `routing` (`heldout_divergence_B`)."""
+    crosses = (None,) * len(t_cfgs) if crosses is None else crosses
     sampler = Sampler(s_cfg, dataclasses.replace(sampling, return_full_logprobs=False))
     sources = task_sources(data_cfg)
     idx, kls, correct, lens, texts, tasks = [], [], [], [], [], []
@@ -231,21 +235,10 @@ def evaluate_heldout(student_params, teacher_params, *, s_cfg: ModelConfig, t_cf
         tokens = np.concatenate([batch["prompt_tokens"], out.tokens_BxN], axis=1)
         resp_mask = out.response_mask_BxN
         attn = np.concatenate([batch["prompt_mask"].astype(bool), resp_mask], axis=1)
-        if routing is not None and cross is not None:
-            per_problem = routed_cross_divergence_B(student_params, teacher_params, batch["task_id"], t_cfgs=t_cfg,
-                                                    routing=routing, crosses=cross, tokenizer=tokenizer, batch=batch,
-                                                    out=out, tokens=tokens, attn=attn,
-                                                    temperature=sampling.temperature)
-        elif routing is not None:
-            per_problem = routed_divergence_B(student_params, teacher_params, batch["task_id"], s_cfg=s_cfg,
-                                              t_cfgs=t_cfg, routing=routing, tokens=tokens, attn=attn, n_response=N,
-                                              temperature=sampling.temperature)
-        elif cross is None:
-            kl = np.asarray(teacher_divergence_BxN(student_params, teacher_params, tokens, attn, s_cfg=s_cfg,
-                                                   t_cfg=t_cfg, n_response=N, temperature=sampling.temperature))
-            per_problem = (kl * resp_mask).sum(1) / np.maximum(resp_mask.sum(1), 1)
-        else:
-            per_problem = cross_divergence_B(cross, teacher_params, t_cfg, batch, out, sampling.temperature)
+        per_problem = heldout_divergence_B(student_params, teacher_params, batch["task_id"], s_cfg=s_cfg,
+                                           t_cfgs=t_cfgs, routing=routing, crosses=crosses,
+                                           per_character=per_character, tokenizer=tokenizer, batch=batch, out=out,
+                                           tokens=tokens, attn=attn, temperature=sampling.temperature)
         for b in np.nonzero(keep)[0]:
             text = tokenizer.decode(out.tokens_BxN[b, :out.lengths_B[b]], skip_special_tokens=True)
             idx.append(int(batch["index"][b]))

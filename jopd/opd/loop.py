@@ -45,7 +45,7 @@ class OPDRun:
 
     cfg: RunConfig
     step: OPDStep
-    teacher_params: Any
+    teacher_params: tuple[Any, ...]  # one per teacher (`teacher_sources`), on the trainer's mesh
     tokenizer: Any
     reference_params: Any = None  # RL kinds with loss.kl_coef > 0: the starting student, frozen (trainer layout)
 
@@ -58,25 +58,24 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     tokenizer = run_tokenizer(cfg)
     validate.check_tokenizer(cfg, tokenizer)  # where it is first read: before any model is trained
     t_toks = teacher_tokenizers(cfg)  # the student's, unless a cross-tokenizer loss.kind
-    if cfg.teachers:  # several: a tuple of each, in `teachers` order (`opd.teachers`)
-        teacher_cfg, teacher_params, t_from = get_teachers(cfg, t_toks)
-        t_from = ", ".join(f"{t.name} {where}" for t, where in zip(cfg.teachers, t_from))
-    else:
-        teacher_cfg, teacher_params, t_from = get_model("teacher", cfg.teacher, cfg, t_toks[0])
+    # a tuple of each, one per teacher (`teacher_sources`: the one `teacher`, or `teachers` in order)
+    t_cfgs, teacher_params, t_from = get_teachers(cfg, t_toks)
     student_cfg, student_params, s_from = get_model("student", cfg.student, cfg, tokenizer)
-    t_cfgs = teacher_cfg if cfg.teachers else (teacher_cfg,)
     cross = cross_teachers(cfg, tokenizer, t_toks, student_cfg, t_cfgs)
     # the testbed models' configs exist now (their vocabulary is their tokenizer's)
     validate.check_models(cfg, student_cfg, t_cfgs, validate.own_tokenizers(cross, len(t_cfgs)))
-    log(f"teacher{'s' if cfg.teachers else ''}: {t_from}  student: {s_from}")
-    if isinstance(cross, tuple):  # several teachers of a cross-tokenizer run: which ones align their rows
-        own = [t.name for t, c in zip(cfg.teachers, cross) if c is not None]
+    sources = cfg.teacher_sources()
+    named = [f"{t.name} {where}" for t, where in zip(sources, t_from)] if cfg.teachers else t_from
+    log(f"teacher{'s' if cfg.teachers else ''}: {', '.join(named)}  student: {s_from}")
+    direct = [t.name for t, c in zip(sources, cross) if c is None]
+    if cfg.loss.cross_tokenizer != "off" and direct:  # teachers that score the student's tokens directly
+        own = [t.name for t, c in zip(sources, cross) if c is not None]
         log(f"loss.kind={cfg.loss.kind}: with their own tokenizer {', '.join(own) or 'none'}; "
             f"the others score the student's tokens directly")
-    idle = [t.name for t in cfg.teachers if cfg.routing == "task" and not t.tasks]
+    idle = [t.name for t in sources if cfg.scoring_routing == "task" and not t.tasks]
     if idle:  # held (e.g. the other routings of a study share the config), but it scores no row
         log(f"warning: routing=task gives teacher(s) {', '.join(idle)} no rows (no `tasks`)")
-    step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer, cross)
+    step = build_step(cfg, student_cfg, t_cfgs, mesh, tokenizer, cross)
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
     # the starting student as loaded, also on resume (the restored state replaces only the trained copy)
     reference = step.place_reference(student_params) if step.uses_reference else None
@@ -90,10 +89,11 @@ def run_eval(run: OPDRun, params, name: str, out_dir: Path) -> dict[str, float]:
                                         return_full_logprobs=False)
     params = jax.device_get(params) if jax.process_count() == 1 else params
     teacher = jax.device_get(run.teacher_params) if jax.process_count() == 1 else run.teacher_params
-    res = evaluate_heldout(params, teacher, s_cfg=run.step.student_cfg, t_cfg=run.step.teacher_cfg,
+    res = evaluate_heldout(params, teacher, s_cfg=run.step.student_cfg, t_cfgs=run.step.teacher_cfgs,
                            tokenizer=run.tokenizer, data_cfg=cfg.data, sampling=eval_sampling,
                            seed=cfg.train.eval_seed, max_problems=cfg.train.eval_problems, desc=f"eval {name}",
-                           cross=run.step.cross, routing=run.step.routing)
+                           crosses=run.step.cross, per_character=run.step.loss_cfg.cross_tokenizer != "off",
+                           routing=run.step.routing)
     return res.save(out_dir / "eval", name)
 
 

@@ -53,32 +53,39 @@ def teacher_tokenizer(cfg: RunConfig):
 
 
 def shares_vocabulary(student_tok, teacher_tok) -> bool:
-    """The same token ids, EOS and chat template: a teacher that can score the student's tokens as they are (one of
-    several teachers of a loss.cross_tokenizer run is then scored directly, `cross_teacher.same_vocab_fields`)."""
+    """The same token ids, EOS and chat template: a teacher that can score the student's tokens as they are."""
     return (student_tok.get_vocab() == teacher_tok.get_vocab() and student_tok.eos_token_id == teacher_tok.eos_token_id
             and (student_tok.chat_template or "") == (teacher_tok.chat_template or ""))
 
 
+def scores_student_tokens(cfg: RunConfig, student_tok, teacher_tok, student_cfg: ModelConfig | None = None,
+                          teacher_cfg: ModelConfig | None = None) -> bool:
+    """In a loss.cross_tokenizer run, whether a teacher scores the student's tokens directly
+    (`cross_teacher.same_vocab_fields`): one of `teachers` that shares the student's vocabulary (without both
+    tokenizers, as `jopd aot` may size a run: the same vocabulary size); the run's one `teacher` always scores its
+    own tokenization (the cross path its config asks for)."""
+    if not cfg.teachers:
+        return False
+    if student_tok is None or teacher_tok is None:
+        return student_cfg.vocab_size == teacher_cfg.vocab_size
+    return shares_vocabulary(student_tok, teacher_tok)
+
+
 def cross_teachers(cfg: RunConfig, student_tok, teacher_toks, student_cfg: ModelConfig,
                    teacher_cfgs: tuple[ModelConfig, ...]):
-    """`build_step`'s `cross`: None with loss.cross_tokenizer off; the one teacher's `CrossTeacher` (its pair
-    checked, its projection table built); with `teachers`, one per teacher, None for a teacher that shares the
-    student's vocabulary (`shares_vocabulary`; its vocab_size then checked like any same-vocabulary teacher's)."""
+    """`build_step`'s `cross`, one entry per teacher: its `CrossTeacher` (its pair checked, its projection table
+    built) with loss.cross_tokenizer, None for a teacher that scores the student's tokens (`scores_student_tokens`;
+    its vocab_size then checked like any same-vocabulary teacher's), None for every teacher with it off."""
     from jopd.opd.cross_teacher import CrossTeacher
 
     if cfg.loss.cross_tokenizer == "off":
-        return None
-    def make(tok, t_cfg):
-        return CrossTeacher.make(student_tok, tok, student_cfg, t_cfg, cfg.data.system_prompt)
-
-    if not cfg.teachers:
-        return make(teacher_toks[0], teacher_cfgs[0])
+        return (None,) * len(teacher_cfgs)
     out = []
-    for i, (tok, t_cfg) in enumerate(zip(teacher_toks, teacher_cfgs)):
-        shared = shares_vocabulary(student_tok, tok)
-        if shared:
-            check_compatible(student_cfg, t_cfg, None, None, f"teachers[{i}]")
-        out.append(None if shared else make(tok, t_cfg))
+    for role, tok, t_cfg in zip(cfg.teacher_roles(), teacher_toks, teacher_cfgs):
+        direct = scores_student_tokens(cfg, student_tok, tok)
+        if direct:
+            check_compatible(student_cfg, t_cfg, None, None, role)
+        out.append(None if direct else CrossTeacher.make(student_tok, tok, student_cfg, t_cfg, cfg.data.system_prompt))
     return tuple(out)
 
 
@@ -131,7 +138,7 @@ def get_teachers(cfg: RunConfig, tokenizers: tuple[Any, ...]) -> tuple[tuple[Mod
 def precheck_sources(cfg: RunConfig) -> None:
     """Cheap checks on configs/metadata only (no weights read): files exist, vocabularies agree."""
     cfgs = {}
-    roles = [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
+    roles = list(zip(cfg.teacher_roles(), cfg.teacher_sources()))
     for role, src in roles + [("student", cfg.student)]:
         if src.path is not None:
             if not io.resolve_model_path(src.path).exists():
@@ -149,7 +156,7 @@ def precheck_sources(cfg: RunConfig) -> None:
 
         student_tok = run_tokenizer(cfg)
         for i, ((role, _), tok) in enumerate(zip(roles, teacher_tokenizers(cfg))):
-            if cfg.teachers and shares_vocabulary(student_tok, tok):  # scored directly: one vocabulary
+            if scores_student_tokens(cfg, student_tok, tok):  # scored directly: one vocabulary
                 continue
             own[i] = True
             try:

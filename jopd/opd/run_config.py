@@ -151,7 +151,7 @@ class RunConfig:
     plugins: tuple[str, ...] = ()
     student: ModelSource = ModelSource()
     teacher: ModelSource = ModelSource()
-    # Several teachers (`jopd.opd.teachers`), instead of `teacher`; each is loaded, sharded and held like it.
+    # Several teachers (`jopd.opd.routing`), instead of `teacher`; each is loaded, sharded and held like it.
     teachers: tuple[TeacherSource, ...] = ()
     # Which teacher scores a row (with `teachers`): `task`, the teacher that lists the row's task (each teacher runs
     # on its own rows only); `mixture`, every teacher on every row, the loss against their mixture
@@ -177,6 +177,15 @@ class RunConfig:
             return self.teachers
         return (TeacherSource(**{f.name: getattr(self.teacher, f.name) for f in dataclasses.fields(ModelSource)},
                               name="teacher"),)
+
+    def teacher_roles(self) -> tuple[str, ...]:
+        """Each teacher's config field, as errors name it: `teacher`, or `teachers[i]`."""
+        return tuple(f"teachers[{i}]" for i in range(len(self.teachers))) or ("teacher",)
+
+    @property
+    def scoring_routing(self) -> str:
+        """`routing` as the step resolves it (`opd.routing`): the one `teacher` is a routing of one, to it."""
+        return self.routing if self.teachers else self.teacher_sources()[0].name
 
 
 def _parse_value(text: str) -> Any:

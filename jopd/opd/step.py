@@ -1,10 +1,14 @@
 """One OPD step, in one place: `OPDStep.rollout` -> `OPDStep.score` -> `OPDStep.update`.
 
-    step = build_step(cfg, student_cfg, teacher_cfg, mesh, tokenizer)   # the loss config derived from cfg
+    step = build_step(cfg, student_cfg, teacher_cfgs, mesh, tokenizer)   # the loss config derived from cfg
     state = step.init_state(student_params, seed)
     rollout = step.rollout(state, prompt_batch, n)       # weight sync + sampler (rollout precision, noise)
-    train_batch = step.score(teacher_params, rollout)    # teacher forward -> the loss fields
+    train_batch = step.score(teacher_params, rollout)    # teachers' forward -> the loss fields
     state, metrics = step.update(state, train_batch, teacher_params)   # student forward/backward, Optax
+
+The teachers are a tuple, one entry per teacher (`RunConfig.teacher_sources`: the one `teacher`, or `teachers`),
+and so are their configs, params and cross-tokenizer objects; the `Routing` says which scores which rows
+(`opd.routing`; one teacher is a routing of one).
 
 Every device stage is jitted once here with explicit shardings (pjit's modern form): TRAIN rules (fsdp x
 tensor) for the student, its optimizer state and the teacher (or, by a teacher's `placement: replicated`, its
@@ -14,7 +18,7 @@ state, and the same ones serve init, restore and the step. `jopd train`'s loop, 
 same jitted stages from abstract inputs), the lab commands and the benchmarks all call this object; none
 spells the step out again. What a loss kind needs (teacher logits, advantages, groups of rollouts) comes
 from its entry in `losses.kinds.OBJECTIVES`; the stages are files: the sampler (`jopd.sampling`), the scoring
-(`opd/teacher.py`), the update (`opd/student_loss.py`, `opd/train_state.py`), the RL kinds' host side
+(`opd/scoring.py`), the update (`opd/student_loss.py`, `opd/train_state.py`), the RL kinds' host side
 (`opd/rewards.py`).
 
 RL kinds (`OBJECTIVES[kind].uses_rewards`): the rollout stage decodes the responses and computes the task's
@@ -50,14 +54,14 @@ from jopd.losses.kinds import OBJECTIVES, Objective
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.opd import packing, rewards, teachers, validate
+from jopd.opd import packing, rewards, routing as routinglib, validate
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
 from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sampler_full_logprobs
 from jopd.opd.optim import make_optimizer
 from jopd.opd.rewards import RLTrainState
 from jopd.opd.run_config import RunConfig
 from jopd.opd.student_loss import rollout_loss_fn
-from jopd.opd.teacher import score_rollout
+from jopd.opd.scoring import score_rollout
 from jopd.opd.train_state import TrainState, make_train_step, new_train_state, opt_state_shardings
 from jopd import parallel as meshlib
 from jopd.parallel.distributed import host_local_to_global
@@ -80,7 +84,7 @@ def weight_sync_key(rng: jax.Array, step: int | jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
     student: Any  # trainer layout of the student params
-    teacher: Any  # the teacher params (held all run long; each by its `placement`); a tuple with several teachers
+    teacher: tuple[Any, ...]  # each teacher's params (held all run long; each by its `placement`)
     sampler_params: Any  # rollout layout of the student, layers unstacked (what the weight sync returns)
     state: TrainState  # the train state's, from eval_shape of the initial state
     batch: NamedSharding  # leading dim over data x fsdp; its rank-1 spec fits every batch leaf of rank >= 1
@@ -174,7 +178,7 @@ class OPDStep:
 
     cfg: RunConfig
     student_cfg: ModelConfig
-    teacher_cfg: ModelConfig
+    teacher_cfgs: tuple[ModelConfig, ...]  # one per teacher (`RunConfig.teacher_sources`)
     mesh: Any
     loss_cfg: LossConfig
     objective: Objective
@@ -191,10 +195,10 @@ class OPDStep:
     update_fn: Any
     init_fn: Any  # jit: (params, rng) -> TrainState, laid out as `shardings.state`
     repeat_fn: Any  # jit: (prompt_UxP, mask_UxP) -> each prompt G times, rows r*G .. r*G+G-1 (the scored layout)
-    # a teacher with another tokenizer: the rollout is aligned to it on the host; with several teachers a tuple,
-    # None for each teacher of the student's vocabulary (`opd.teachers`)
-    cross: CrossTeacher | tuple[CrossTeacher | None, ...] | None = None
-    routing: teachers.Routing | None = None  # several teachers (`teacher_cfg` then a tuple): who scores which rows
+    # per teacher, with loss.cross_tokenizer: its `CrossTeacher` when it has another tokenizer (the rollout is
+    # aligned to it on the host), None when it scores the student's tokens (always None with it off)
+    cross: tuple[CrossTeacher | None, ...]
+    routing: routinglib.Routing  # which teacher scores which rows (one teacher: a routing of one)
 
     # -- sizes ------------------------------------------------------------------------------------------
 
@@ -231,10 +235,8 @@ class OPDStep:
 
     @property
     def crosses(self) -> tuple[CrossTeacher, ...]:
-        """The run's teachers with another tokenizer (none, the one, or those of several teachers)."""
-        if self.cross is None:
-            return ()
-        return tuple(c for c in self.cross if c is not None) if isinstance(self.cross, tuple) else (self.cross,)
+        """The run's teachers with another tokenizer (what the rollout is aligned to on the host)."""
+        return tuple(c for c in self.cross if c is not None)
 
     # -- state ------------------------------------------------------------------------------------------
 
@@ -258,16 +260,11 @@ class OPDStep:
         copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.student)
         return copy(jax.device_put(params, self.shardings.student))
 
-    @property
-    def teacher_cfgs(self) -> tuple[ModelConfig, ...]:
-        """Every teacher's config (one, or `teachers`' in order)."""
-        return self.teacher_cfg if isinstance(self.teacher_cfg, tuple) else (self.teacher_cfg,)
-
     def abstract_teacher(self):
-        """ShapeDtypeStructs of the teacher params (a tuple of them with several teachers), with their shardings."""
+        """ShapeDtypeStructs of the teachers' params (a tuple, one per teacher), with their shardings."""
         params = tuple(transformer.abstract_params(c, DTYPES[src.dtype])
                        for c, src in zip(self.teacher_cfgs, self.cfg.teacher_sources()))
-        return meshlib.sharded_abstract(params if self.routing is not None else params[0], self.shardings.teacher)
+        return meshlib.sharded_abstract(params, self.shardings.teacher)
 
     # -- the step ---------------------------------------------------------------------------------------
 
@@ -276,8 +273,8 @@ class OPDStep:
         `rollouts_per_prompt` samples of each prompt (rows r*G .. r*G+G-1), its prefill shared."""
         G, shared = self.rollouts_per_prompt, self.prefill_group
         local_prompts = batch["prompt_tokens"].shape[0]
-        if self.routing is not None and self.routing.mode == "task":  # each shard's rows teacher by teacher
-            order = teachers.shard_order(batch["task_id"], self.routing, self.local_shards)
+        if self.routing.mode == "task":  # each shard's rows teacher by teacher
+            order = routinglib.shard_order(batch["task_id"], self.routing, self.local_shards)
             batch = {k: v[order] for k, v in batch.items()}
         batch = rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
         local_rows = local_prompts * G
@@ -299,7 +296,7 @@ class OPDStep:
             r, adv, ema = self._rewards(sample, batch, state)
             arrays = arrays.replace(rewards_B=r, advantages_B=adv)
         reasons = ()
-        if self.cross is not None:  # the teacher's own tokenization of each response, aligned on the host
+        if self.crosses:  # the teachers' own tokenization of each response, aligned on the host
             cross, reasons = self._align(sample, batch)
             arrays = arrays.replace(cross=cross)
         return Rollout(arrays, batch, ema, iterations, self.sampler.engine(local_rows * jax.process_count(), shared)[1],
@@ -340,9 +337,8 @@ class OPDStep:
         if teacher_params is None:
             raise ValueError(f"RunConfig.loss.kind={self.loss_cfg.kind}: OPDStep.update needs the teacher params (its "
                              f"LM head projects the teacher's hidden states chunk by chunk)")
-        if self.routing is not None:  # routing to one teacher (full-vocabulary kinds): its head
-            teacher_params = teacher_params[self.routing.scorer]
-        return self.update_fn(state, batch, head_params(teacher_params))
+        # the full-vocabulary kinds route to one teacher (`build_step`): its head
+        return self.update_fn(state, batch, head_params(teacher_params[self.routing.scorer]))
 
     def __call__(self, state: TrainState, teacher_params, batch: dict[str, np.ndarray], step: int,
                  reference_params=None):
@@ -372,17 +368,13 @@ class OPDStep:
         return multihost_utils.global_array_to_host_local_array(tree, self.mesh, self.shardings.batch.spec)
 
     def _align(self, sample: SampleOutput, batch: dict[str, np.ndarray]):
-        """This process's responses aligned with the teacher's tokenization -> a global `CrossBatch`, and each
-        local row's failure reason (None: aligned)."""
+        """This process's responses aligned with the tokenization of the teacher that scores each (a teacher with
+        another tokenizer aligns its own rows) -> a global `CrossBatch`, and each local row's failure reason (None:
+        aligned)."""
         tokens, lengths = (np.asarray(x) for x in self.local_rows((sample.tokens_BxN, sample.lengths_B)))
         P, N = batch["prompt_tokens"].shape[1], tokens.shape[1]
-        if isinstance(self.cross, tuple):  # several teachers: each with another tokenizer aligns its own rows
-            owner = teachers.row_teachers(batch["task_id"], self.routing)
-            arrays, reasons = align_routed(self.cross, owner, batch["user_turn"], tokens, lengths, P, N + TEACHER_SLACK)
-            if arrays is None:  # every teacher shares the student's vocabulary: nothing to align
-                return None, reasons
-        else:
-            arrays, reasons = self.cross.align(batch["user_turn"], tokens, lengths, P, N + TEACHER_SLACK)
+        owner = routinglib.row_teachers(batch["task_id"], self.routing)
+        arrays, reasons = align_routed(self.cross, owner, batch["user_turn"], tokens, lengths, P, N + TEACHER_SLACK)
         return CrossBatch(**host_local_to_global(arrays, self.shardings.batch)), reasons
 
     def _rewards(self, sample: SampleOutput, batch: dict[str, np.ndarray], state: TrainState):
@@ -413,7 +405,7 @@ def rollouts_per_prompt(cfg: RunConfig) -> int:
     return cfg.sampling.samples_per_prompt
 
 
-def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[ModelConfig, ...], mesh,
+def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
                    optimizer: optax.GradientTransformation, running_baseline: bool = False) -> StepShardings:
     train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
     student = meshlib.param_shardings(s_cfg, mesh, train_rules)
@@ -430,9 +422,8 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tupl
     # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
     meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size * rollouts_per_prompt(cfg),),
                            where="data.batch_size")
-    placements = [src.placement for src in cfg.teacher_sources()]
-    teacher = tuple(teacher_shardings(c, mesh, train_rules, p) for c, p in zip(t_cfg, placements)) \
-        if isinstance(t_cfg, tuple) else teacher_shardings(t_cfg, mesh, train_rules, placements[0])
+    teacher = tuple(teacher_shardings(c, mesh, train_rules, src.placement)
+                    for c, src in zip(t_cfgs, cfg.teacher_sources()))
     return StepShardings(
         student=student, teacher=teacher, sampler_params=sampler_params,
         state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
@@ -447,18 +438,21 @@ def teacher_shardings(t_cfg: ModelConfig, mesh, train_rules: meshlib.AxisRules, 
     return meshlib.param_shardings(t_cfg, mesh, train_rules)
 
 
-def _check_cross_teachers(cfg: RunConfig, s_cfg: ModelConfig, t_cfg, cross) -> None:
-    """`cross` against the teachers: one `CrossTeacher` for `teacher`; with `teachers`, one entry per teacher, None
-    for a teacher of the student's vocabulary (scored directly: same `vocab_size`)."""
-    if not cfg.teachers:
-        if isinstance(cross, tuple):
-            raise ValueError("build_step: `cross` is a tuple, but the run has one `teacher`")
-        return
-    if not isinstance(cross, tuple) or len(cross) != len(cfg.teachers):
-        raise ValueError(f"build_step: {len(cfg.teachers)} teachers with loss.kind={cfg.loss.kind} need `cross` as a tuple "
+def _check_teacher_tuples(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs, cross) -> None:
+    """`t_cfgs` and `cross` against the run's teachers: one entry each per teacher (`teacher_sources`); with a
+    cross-tokenizer `loss.kind`, a `CrossTeacher` for a teacher with another tokenizer, None for one of the
+    student's vocabulary (scored directly: same `vocab_size`); without it, None for all."""
+    n = len(cfg.teacher_sources())
+    if not isinstance(t_cfgs, tuple) or len(t_cfgs) != n:
+        where = f"{n} teachers in RunConfig.teachers" if cfg.teachers else "one RunConfig.teacher"
+        raise ValueError(f"build_step: {where}, but t_cfg is "
+                         f"{'a tuple of ' + str(len(t_cfgs)) if isinstance(t_cfgs, tuple) else 'one ModelConfig'} "
+                         f"(a tuple of one ModelConfig per teacher)")
+    if not isinstance(cross, tuple) or len(cross) != n:
+        raise ValueError(f"build_step: {n} teachers with loss.kind={cfg.loss.kind} need `cross` as a tuple "
                          f"of as many (None: a teacher of the student's vocabulary)")
-    for i, (c, m) in enumerate(zip(cross, t_cfg)):
-        if c is None and m.vocab_size != s_cfg.vocab_size:
+    for i, (c, m) in enumerate(zip(cross, t_cfgs)):
+        if c is None and m.vocab_size != s_cfg.vocab_size and cfg.loss.cross_tokenizer != "off":
             raise ValueError(f"RunConfig.teachers[{i}]: vocab_size={m.vocab_size} is not the student's "
                              f"({s_cfg.vocab_size}), so it needs its own tokenizer (`teachers[{i}].tokenizer`)")
 
@@ -469,25 +463,24 @@ def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Arr
     return RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32)) if running_baseline else state
 
 
-def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[ModelConfig, ...], mesh,
-               tokenizer=None, cross: CrossTeacher | None = None) -> OPDStep:
+def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
+               tokenizer=None, cross: tuple[CrossTeacher | None, ...] | None = None) -> OPDStep:
     """The step of `cfg`: its loss config is `cfg.loss` resolved against the run (`resolve_loss_config`: masks
     from `tokenizer`, the sampler's temperature) — one config path, so a caller that wants another loss passes
     another `cfg`. `tokenizer` (the student's) also decodes responses for the RL kinds' rewards (None: no
-    masks, no rewards). `cross`: a teacher with another tokenizer (a cross-tokenizer `loss.kind`; `cross_teacher`).
-    With `cfg.teachers`, `t_cfg` is their configs in order (`opd.teachers`)."""
+    masks, no rewards). `t_cfgs`: the teachers' configs, one per teacher in `cfg.teacher_sources()` order.
+    `cross` (a cross-tokenizer `loss.kind`; `model_sources.cross_teachers`): per teacher, its `CrossTeacher` when
+    it has another tokenizer, None when it scores the student's tokens; None: no teacher has another tokenizer.
+    The config's own checks ran when it was built (`validate.check_run`); here only the arguments are checked."""
     loss_cfg = resolve_loss_config(cfg, tokenizer)
     objective = OBJECTIVES[loss_cfg.kind]
-    if isinstance(t_cfg, tuple) != bool(cfg.teachers) or (cfg.teachers and len(t_cfg) != len(cfg.teachers)):
-        raise ValueError(f"build_step: {len(cfg.teachers)} teachers in RunConfig.teachers, but t_cfg is "
-                         f"{'a tuple of ' + str(len(t_cfg)) if isinstance(t_cfg, tuple) else 'one ModelConfig'}")
-    validate.check_cross(cfg, cross)  # the config's own checks ran when it was built (`validate.check_run`)
-    if cross is not None:
-        _check_cross_teachers(cfg, s_cfg, t_cfg, cross)
+    validate.check_cross(cfg, cross)
+    cross = (None,) * len(cfg.teacher_sources()) if cross is None else cross
+    _check_teacher_tuples(cfg, s_cfg, t_cfgs, cross)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)
-    sh = step_shardings(cfg, s_cfg, t_cfg, mesh, optimizer, running)
+    sh = step_shardings(cfg, s_cfg, t_cfgs, mesh, optimizer, running)
     batch = sh.batch
 
     # the union support takes the student's top-K ids from the sampler, where its logits already exist
@@ -496,22 +489,20 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[Mo
                                    return_topk=loss_cfg.top_k if union else 0)
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
                       shardings=SamplerShardings(params=sh.sampler_params, batch=batch, cache=sh.cache))
-    routing = teachers.resolve_routing(cfg, rollouts_per_prompt(cfg), sampler.shards)
+    routing = routinglib.resolve_routing(cfg, rollouts_per_prompt(cfg), sampler.shards)
     precision = cfg.rollout_precision
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
     dtype = DTYPES[cfg.student.dtype]
-    tables = None if cross is None else cross.table if not isinstance(cross, tuple) else \
-        tuple(None if c is None else c.table for c in cross)
-    score = functools.partial(score_rollout, teacher_cfg=t_cfg, student_cfg=s_cfg, loss_cfg=loss_cfg,
-                              is_logprobs=cfg.train.is_logprobs, dtype=dtype, cross_table=tables, routing=routing)
+    tables = tuple(None if c is None else c.table for c in cross)
+    score = functools.partial(score_rollout, teacher_cfgs=t_cfgs, student_cfg=s_cfg, loss_cfg=loss_cfg,
+                              is_logprobs=cfg.train.is_logprobs, dtype=dtype, routing=routing, cross_tables=tables)
     # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
-    scorer_sh = sh.teacher[routing.scorer] if routing is not None else sh.teacher
-    in_sh = (sh.state, batch) + ((head_params(scorer_sh),) if objective.reads_teacher_head else ())
+    in_sh = (sh.state, batch) + ((head_params(sh.teacher[routing.scorer]),) if objective.reads_teacher_head else ())
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
                         in_shardings=in_sh, out_shardings=(sh.state, None), donate_argnums=0)
     G = rollouts_per_prompt(cfg)
@@ -519,7 +510,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfg: ModelConfig | tuple[Mo
                         out_shardings=batch)
     init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
-    return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfg=t_cfg, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
+    return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfgs=t_cfgs, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
                    optimizer=optimizer, shardings=sh, sampler=sampler, tokenizer=tokenizer, sync_fn=sync_fn,
                    score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn, cross=cross,
                    routing=routing)

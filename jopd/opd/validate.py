@@ -168,11 +168,9 @@ def check_models(cfg: "RunConfig", student: "ModelConfig | None", teachers: Sequ
 
 
 def own_tokenizers(cross, teachers: int) -> tuple[bool, ...]:
-    """Whether each teacher scores its own tokenization, from `cross_teachers`' answer (None: none does; one
-    `CrossTeacher`: the one teacher; a tuple: those whose entry is not None)."""
-    if cross is None:
-        return (False,) * teachers
-    return tuple(c is not None for c in cross) if isinstance(cross, tuple) else (True,)
+    """Whether each teacher scores its own tokenization, from `cross_teachers`' answer (one entry per teacher, None
+    for a teacher that scores the student's tokens)."""
+    return (False,) * teachers if cross is None else tuple(c is not None for c in cross)
 
 
 def _teacher_roles(cfg: "RunConfig") -> list[tuple[str, Any]]:
@@ -183,9 +181,12 @@ def _teacher_roles(cfg: "RunConfig") -> list[tuple[str, Any]]:
 # -- the step's arguments -------------------------------------------------------------------------------------
 
 def check_cross(cfg: "RunConfig", cross) -> None:
-    """`build_step`'s `cross` (the teacher(s) with another tokenizer) against the run's kind."""
-    kind = cfg.loss.kind
-    if (cross is None) != (cfg.loss.cross_tokenizer == "off"):
-        raise ValueError(f"RunConfig.loss.kind={kind}: " + (
-            "scores a teacher with another tokenizer and needs its tokenizer (build_step's `cross`)" if cross is None
-            else "needs a teacher of the student's vocabulary, but the step was given a cross-tokenizer teacher"))
+    """`build_step`'s `cross` (per teacher, its `CrossTeacher` or None; None: no teacher has another tokenizer)
+    against the run's kind."""
+    kind, crossed = cfg.loss.kind, cfg.loss.cross_tokenizer != "off"
+    if cross is None and crossed:
+        raise ValueError(f"RunConfig.loss.kind={kind}: scores a teacher with another tokenizer and needs its "
+                         f"tokenizer (build_step's `cross`)")
+    if not crossed and any(c is not None for c in cross or ()):
+        raise ValueError(f"RunConfig.loss.kind={kind}: needs a teacher of the student's vocabulary, but the step was "
+                         f"given a cross-tokenizer teacher")

@@ -32,7 +32,7 @@ def _run(*overrides):
     cfg = load_config(None, [f"data.batch_size={B}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
                              "train.mismatch=exact", "mesh.data=1", "mesh.fsdp=1", "loss.kind=topk_rkl",
                              "loss.top_k=8", *overrides])
-    step = build_step(cfg, CFG, CFG, M.make_mesh(cfg.mesh, jax.devices()[:1]))
+    step = build_step(cfg, CFG, (CFG,), M.make_mesh(cfg.mesh, jax.devices()[:1]))
     params = numpy_params(CFG, seed=0, std=0.5)
     return OPDRun(cfg, step, teacher_params=None, tokenizer=None), step.init_state(params)
 

@@ -73,8 +73,8 @@ def test_final_answer_and_outcome():
 
 def test_copy_teacher_agrees_on_its_own_greedy_errors(tiny):
     _, _, _, run, state, problems = tiny
-    copy = dataclasses.replace(run, teacher_params=state.params,
-                               step=dataclasses.replace(run.step, teacher_cfg=run.step.student_cfg))
+    copy = dataclasses.replace(run, teacher_params=(state.params,),
+                               step=dataclasses.replace(run.step, teacher_cfgs=(run.step.student_cfg,)))
     report = probelib.probe(copy, state.params, problems,
                             options=probelib.ProbeOptions(samples=0, student_greedy=True, **FAST))
     rows = [r for r in report.rows if r["set"] == "student_error"]

@@ -8,7 +8,7 @@ import pytest
 from jopd.losses import LossBatch, LossConfig, loss_mask, token_loss, token_loss_from_logits
 from jopd.losses import divergences as div
 from jopd.losses.chunked import head_params
-from jopd.opd.teacher import teacher_scores, teacher_topk
+from jopd.opd.teacher_scoring import teacher_scores, teacher_topk
 from jopd.models import transformer as tfm
 from jopd.models.config import ModelConfig
 

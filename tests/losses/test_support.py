@@ -8,7 +8,7 @@ import pytest
 from scipy.special import log_softmax, logsumexp
 
 from jopd.losses import LossBatch, LossConfig, token_loss_from_logits
-from jopd.opd.teacher import teacher_scores
+from jopd.opd.teacher_scoring import teacher_scores
 from jopd.losses.masks import loss_mask
 
 B, T, V, K = 2, 5, 13, 3

@@ -230,7 +230,7 @@ def test_rl_baselines_lower_with_grouped_rows_and_advantages():
 
     cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8", "loss.kind=grpo", "rl.group_size=2")
     s_cfg = aot.model_config_of(cfg.student, "student")
-    programs, buffers = aot.stage_programs(cfg, s_cfg, s_cfg, meshlib.make_mesh(cfg.mesh))
+    programs, buffers = aot.stage_programs(cfg, s_cfg, (s_cfg,), meshlib.make_mesh(cfg.mesh))
     with jax.set_mesh(meshlib.make_mesh(cfg.mesh)):
         lowered = programs["train_step"][0]()
     batch = lowered.args_info[0][1]  # (args, kwargs): args = (state, batch)

@@ -47,12 +47,12 @@ def _scored(mode, tokenizers, *overrides):
     s_cfg, t_cfg = model_sources.testbed_model_config(cfg.student, toy), model_sources.testbed_model_config(
         cfg.teacher, smol)
     cross = CrossTeacher.make(toy, smol, s_cfg, t_cfg)
-    step = build_step(cfg, s_cfg, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:1]), toy, cross)
+    step = build_step(cfg, s_cfg, (t_cfg,), M.make_mesh(cfg.mesh, jax.devices()[:1]), toy, (cross,))
     student, teacher = numpy_params(s_cfg, 0, layer_scale=3.0, head_scale=3.0), numpy_params(t_cfg, 1, head_scale=4.0)
     batch = next(train_iterator(cfg.data, toy, kind="prompt"))
     with jax.set_mesh(step.mesh):
         rollout = step.rollout(step.init_state(student), batch, 0)
-        scored = step.score(jax.device_put(teacher, step.shardings.teacher), rollout)
+        scored = step.score(jax.device_put((teacher,), step.shardings.teacher), rollout)
     return step, cross, batch, rollout, jax.device_get(scored), teacher, t_cfg
 
 

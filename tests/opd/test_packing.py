@@ -85,14 +85,15 @@ def _step(overrides, devices, mesh=("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1
     cfg = load_config(None, [f"data.batch_size={B}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
                              f"loss.top_k={K}", "loss.chunk_size=5", "optim.learning_rate=1e-2",
                              "optim.warmup_steps=0", *mesh, *overrides])
-    return build_step(cfg, STUDENT, TEACHER, M.make_mesh(cfg.mesh, devices))
+    return build_step(cfg, STUDENT, (TEACHER,), M.make_mesh(cfg.mesh, devices))
 
 
 def _loss_and_grad(step, arrays, host, teacher, student, reference=None):
     with jax.set_mesh(step.mesh):
-        batch = step.score(jax.device_put(teacher, step.shardings.teacher), Rollout(arrays, host), reference)
+        teachers = jax.device_put((teacher,), step.shardings.teacher)
+        batch = step.score(teachers, Rollout(arrays, host), reference)
         fn = jax.jit(jax.value_and_grad(rollout_loss_fn(step.student_cfg, step.loss_cfg), has_aux=True))
-        head = (head_params(jax.device_put(teacher, step.shardings.teacher)),) if step.uses_teacher_head else ()
+        head = (head_params(teachers[0]),) if step.uses_teacher_head else ()
         (loss, metrics), grads = fn(jax.device_put(student, step.shardings.student), batch, *head)
     return float(loss), jax.device_get(metrics), jax.device_get(grads), batch
 

@@ -24,12 +24,12 @@ def _rollout(*overrides, devices=1):
     tok = build_toy_tokenizer()
     cfg = load_config(None, BASE + list(overrides))
     s_cfg, t_cfg = (model_sources.testbed_model_config(src, tok) for src in (cfg.student, cfg.teacher))
-    step = build_step(cfg, s_cfg, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:devices]), tok)
+    step = build_step(cfg, s_cfg, (t_cfg,), M.make_mesh(cfg.mesh, jax.devices()[:devices]), tok)
     student = numpy_params(s_cfg, 0, layer_scale=5.0, head_scale=4.0)
     batch = next(train_iterator(cfg.data, tok, kind="prompt"))
     with jax.set_mesh(step.mesh):
         rollout = step.rollout(step.init_state(student), batch, 3)
-        scored = step.score(jax.device_put(numpy_params(t_cfg, 1), step.shardings.teacher), rollout)
+        scored = step.score(jax.device_put((numpy_params(t_cfg, 1),), step.shardings.teacher), rollout)
     return step, batch, rollout, jax.device_get(scored)
 
 

@@ -31,7 +31,7 @@ def _step(mesh_overrides, devices, loss=LOSS):
     cfg = load_config(None, [f"data.batch_size={B}", f"data.max_prompt_len={P}", f"sampling.max_new_tokens={N}",
                              "train.mismatch=estimators", "optim.learning_rate=1e-2", "optim.warmup_steps=0",
                              *mesh_overrides])
-    return build_step(dataclasses.replace(cfg, loss=loss), STUDENT, TEACHER, M.make_mesh(cfg.mesh, devices))
+    return build_step(dataclasses.replace(cfg, loss=loss), STUDENT, (TEACHER,), M.make_mesh(cfg.mesh, devices))
 
 
 def _rollout():
@@ -67,7 +67,7 @@ def test_sharded_step_equals_single_device(support):
         state = step.init_state(student, seed=1)
         with jax.set_mesh(step.mesh):
             rollout = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=pmask, sample=sample)
-            batch = step.score_fn(jax.device_put(teacher, step.shardings.teacher), rollout)
+            batch = step.score_fn(jax.device_put((teacher,), step.shardings.teacher), rollout)
             new_state, metrics = step.update(state, batch)
         results[name] = (step, batch, new_state, metrics, state)
 

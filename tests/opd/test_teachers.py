@@ -1,4 +1,4 @@
-"""Several teachers in the step (`opd.teachers`): routing by task scores each row with its own teacher only (on one
+"""Several teachers in the step (`opd.routing`, `opd.scoring`): routing by task scores each row with its own teacher only (on one
 device and sharded), the mixture is the weighted mixture of the teachers' distributions (against numpy), one
 teacher in `teachers` is today's step bit for bit, and the per-task metrics are those rows' own."""
 
@@ -15,8 +15,8 @@ from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays, sequence_layout
 from jopd.opd.run_config import load_config
 from jopd.opd.step import build_step
-from jopd.opd.teacher import teacher_fields
-from jopd.opd.teachers import shard_order
+from jopd.opd.teacher_scoring import teacher_fields
+from jopd.opd.routing import shard_order
 from jopd.parallel import mesh as M
 from jopd.sampling.config import SampleOutput
 from tests.helpers.tiny_params import numpy_params
@@ -141,7 +141,7 @@ def test_one_teacher_in_teachers_is_the_one_teacher_step_bit_for_bit(routing):
         one = ["teachers=[{name: only, tasks: [arithmetic]}]", "routing=task"]
     student = numpy_params(STUDENT, seed=3)
     results = []
-    for overrides, t_cfg, teacher in (([], T_A, TEACHERS[0]), (one, (T_A,), (TEACHERS[0],))):
+    for overrides, t_cfg, teacher in (([], (T_A,), (TEACHERS[0],)), (one, (T_A,), (TEACHERS[0],))):
         cfg = _cfg(*overrides)
         step = build_step(cfg, STUDENT, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:1]))
         state = step.init_state(student, seed=1)

@@ -1,4 +1,4 @@
-"""Several teachers with a cross-tokenizer `loss.kind` (`opd.teachers`): a teacher of the student's vocabulary (the toy
+"""Several teachers with a cross-tokenizer `loss.kind` (`opd.routing`, `opd.scoring`): a teacher of the student's vocabulary (the toy
 tokenizer) beside a teacher with SmolLM2's BPE (tiny random models), routed by task. Each row's fields are its own
 teacher's alone: the cross teacher's rows those of today's one-teacher cross step on the same rollout, the other
 teacher's rows the ordinary scoring's log-probs of the same ids (and, sampled, the same loss and update as
@@ -22,7 +22,7 @@ from jopd.opd import model_sources
 from jopd.opd.loop import train
 from jopd.opd.run_config import load_config
 from jopd.opd.step import build_step
-from jopd.opd.teachers import row_teachers
+from jopd.opd.routing import row_teachers
 from jopd.parallel import mesh as M
 from tests.helpers.tiny_params import numpy_params
 from tests.helpers.tiny_testbed import TINY, tiny_cache
@@ -64,8 +64,8 @@ def _step(overrides, tokenizers, devices=1):
     s_cfg, t_cfgs, toks, params = _models(cfg, tokenizers)
     cross = model_sources.cross_teachers(cfg, tokenizers[0], toks, s_cfg, t_cfgs)
     mesh = M.make_mesh(cfg.mesh, jax.devices()[:devices])
-    step = build_step(cfg, s_cfg, t_cfgs if cfg.teachers else t_cfgs[0], mesh, tokenizers[0], cross)
-    return step, params if cfg.teachers else params[0]
+    step = build_step(cfg, s_cfg, t_cfgs, mesh, tokenizers[0], cross)
+    return step, params
 
 
 def _rollout_and_score(step, teacher_params, student_params, batch=None):
@@ -104,7 +104,7 @@ def test_each_row_is_scored_by_its_own_teacher_alone(tokenizers, mode, devices, 
     alone, _ = _step([*ALONE, f"loss.kind=xtok_{mode}", *mesh], tokenizers, devices)
     cross_batch, reasons = alone._align(rollout.sample, rollout.host_batch)
     with jax.set_mesh(alone.mesh):
-        want = jax.device_get(alone.score_fn(jax.device_put(teachers[1], alone.shardings.teacher),
+        want = jax.device_get(alone.score_fn(jax.device_put((teachers[1],), alone.shardings.teacher),
                                              rollout.arrays.replace(cross=cross_batch)).loss)
     smol = owner == 1
     assert [r for r, o in zip(rollout.cross_reasons, smol) if o] == [r for r, o in zip(reasons, smol) if o]
@@ -119,7 +119,7 @@ def test_each_row_is_scored_by_its_own_teacher_alone(tokenizers, mode, devices, 
     support = "union" if mode == "dense" else "teacher_topk"  # union: the student's top-K follow the teacher's
     ordinary, _ = _step([f"teacher.arch={ARCH}", f"loss.support={support}", *mesh], tokenizers, devices)
     with jax.set_mesh(ordinary.mesh):
-        ref = jax.device_get(ordinary.score_fn(jax.device_put(teachers[0], ordinary.shardings.teacher),
+        ref = jax.device_get(ordinary.score_fn(jax.device_put((teachers[0],), ordinary.shardings.teacher),
                                                rollout.arrays.replace(cross=None)).loss)
     v = valid_BxN[same]
     N = v.shape[1]
@@ -150,7 +150,7 @@ def test_same_vocabulary_rows_of_xtok_sampled_are_sampled_opd(tokenizers):
     rollout, scored = _rollout_and_score(step, teachers, student)
     opd, _ = _step([f"teacher.arch={ARCH}", "loss.kind=sampled_opd", "loss.options.gamma=0", "loss.support=teacher_topk"],
                    tokenizers)
-    ref = opd.score_fn(teachers[0], rollout.arrays.replace(cross=None))
+    ref = opd.score_fn((teachers[0],), rollout.arrays.replace(cross=None))
     same = row_teachers(rollout.host_batch["task_id"], step.routing) == 0
     results = []
     for s, batch in ((step, scored), (opd, ref)):
@@ -184,10 +184,10 @@ def test_the_cross_teacher_alone_in_teachers_is_todays_step_bit_for_bit(tokenize
 
 
 def test_the_eval_measures_each_row_per_character_against_its_own_teacher(tokenizers):
-    """`evaluate.routed_cross_divergence_B`: the toy teacher's rows (log p_s - log p_t of the student's tokens) /
+    """`evaluate.heldout_divergence_B` of a cross run: the toy teacher's rows (log p_s - log p_t of the student's tokens) /
     (characters + end of turn) with log p_t from a float64 forward; the cross teacher's rows its own measure."""
     from jopd.models import transformer as T
-    from jopd.opd.evaluate import cross_divergence_B, routed_cross_divergence_B
+    from jopd.opd.evaluate import cross_divergence_B, heldout_divergence_B
 
     step, teachers = _step([MIXED, "loss.kind=xtok_sampled"], tokenizers)
     rollout, _ = _rollout_and_score(step, teachers, numpy_params(step.student_cfg, 0, layer_scale=3.0, head_scale=3.0))
@@ -195,11 +195,11 @@ def test_the_eval_measures_each_row_per_character_against_its_own_teacher(tokeni
     P, N = batch["prompt_tokens"].shape[1], out.tokens_BxN.shape[1]
     tokens = np.concatenate([batch["prompt_tokens"], out.tokens_BxN], axis=1)
     attn = np.concatenate([batch["prompt_mask"].astype(bool), out.response_mask_BxN], axis=1)
-    got = routed_cross_divergence_B(None, teachers, batch["task_id"], t_cfgs=step.teacher_cfg, routing=step.routing,
-                                    crosses=step.cross, tokenizer=tokenizers[0], batch=batch, out=out, tokens=tokens,
-                                    attn=attn, temperature=1.0)
+    got = heldout_divergence_B(None, teachers, batch["task_id"], s_cfg=step.student_cfg, t_cfgs=step.teacher_cfgs,
+                               routing=step.routing, crosses=step.cross, per_character=True, tokenizer=tokenizers[0],
+                               batch=batch, out=out, tokens=tokens, attn=attn, temperature=1.0)
     owner = row_teachers(batch["task_id"], step.routing)
-    logits = np.asarray(T.forward(teachers[0], tokens, cfg=step.teacher_cfg[0], attn_mask_BxT=attn)[0], np.float64)
+    logits = np.asarray(T.forward(teachers[0], tokens, cfg=step.teacher_cfgs[0], attn_mask_BxT=attn)[0], np.float64)
     z = logits[:, P - 1:P + N - 1]
     logp = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
     for b in np.flatnonzero(owner == 0):
@@ -208,7 +208,7 @@ def test_the_eval_measures_each_row_per_character_against_its_own_teacher(tokeni
         chars = len(tokenizers[0].decode(out.tokens_BxN[b, :n], skip_special_tokens=True)) + int(out.done_B[b])
         want = (out.unprocessed_logprobs_BxN[b, :n].sum() - t_lp) / chars
         np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5)
-    theirs = cross_divergence_B(step.cross[1], teachers[1], step.teacher_cfg[1], batch, out, 1.0)
+    theirs = cross_divergence_B(step.cross[1], teachers[1], step.teacher_cfgs[1], batch, out, 1.0)
     np.testing.assert_array_equal(got[owner == 1], theirs[owner == 1])
     assert np.isfinite(got[owner == 1]).sum() >= 2
 

@@ -33,9 +33,9 @@ def _random_step(*overrides):
     cfg = load_config(None, RANDOM + list(overrides))
     s_cfg, t_cfg = (model_sources.testbed_model_config(src, tok) for src in (cfg.student, cfg.teacher))
     mesh = M.make_mesh(cfg.mesh, jax.devices()[:1])
-    step = build_step(cfg, s_cfg, t_cfg, mesh, tok)
+    step = build_step(cfg, s_cfg, (t_cfg,), mesh, tok)
     student = numpy_params(s_cfg, 0, layer_scale=5.0, head_scale=20.0)  # peaked, context-dependent
-    teacher = jax.device_put(numpy_params(t_cfg, 1), step.shardings.teacher)
+    teacher = jax.device_put((numpy_params(t_cfg, 1),), step.shardings.teacher)
     batch = next(train_iterator(cfg.data, tok, kind="prompt"))
     return step, student, teacher, batch
 
@@ -115,8 +115,8 @@ def test_tiny_grpo_run_raises_the_training_reward(cache):
     (s_cfg, student, _), (t_cfg, teacher, _) = (model_sources.get_model(r, getattr(cfg, r), cfg, tok)
                                                 for r in ("student", "teacher"))
     # one device (the loop would take all 8 simulated ones: the same step, several times slower on 2 cores)
-    step = build_step(cfg, s_cfg, t_cfg, M.make_mesh(cfg.mesh, jax.devices()[:1]), tok)
-    state, teacher = step.init_state(student), jax.device_put(teacher, step.shardings.teacher)
+    step = build_step(cfg, s_cfg, (t_cfg,), M.make_mesh(cfg.mesh, jax.devices()[:1]), tok)
+    state, teacher = step.init_state(student), jax.device_put((teacher,), step.shardings.teacher)
     it = train_iterator(cfg.data, tok, kind="prompt")
     rewards = []
     for n in range(cfg.train.steps):

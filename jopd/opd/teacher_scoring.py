@@ -1,7 +1,8 @@
-"""The scoring stage of the OPD step: the frozen teacher's forward on prompt + response, reduced to what the loss
-kind reads (top-K ids and log-probs of its full softmax, computed chunk by chunk so no [B, N, V] tensor is kept;
-the log-prob of every sampled token; the full logits only for the full-vocabulary comparison losses), and the
-frozen reference's log-probs for the RL kinds' KL term; `score_rollout` assembles the train step's input."""
+"""One teacher's scoring of the student's tokens: its forward on prompt + response, reduced to what the loss kind
+reads (top-K ids and log-probs of its full softmax, computed chunk by chunk so no [B, N, V] tensor is kept; the
+log-prob of every sampled token; the hidden states only for the full-vocabulary comparison losses); the same
+reduction of a weighted mixture of teachers (`mixture_scores`), and the frozen reference's log-probs for the RL
+kinds' KL term. Which teacher scores which rows, and the train step's input, are `opd.scoring`'s."""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jopd.losses import LossBatch, LossConfig
+from jopd.losses import LossConfig
 from jopd.losses.chunked import chunked_logits_map, chunked_map, head_params
 from jopd.losses.kinds import OBJECTIVES
 from jopd.losses.compute import compact_fields
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.losses.layout import compact_chunk, from_compact, to_compact
-from jopd.opd.batch import RolloutArrays, SequenceLayout, TrainBatch, sequence_layout
-from jopd.opd.cross_teacher import cross_teacher_fields
+from jopd.opd.batch import SequenceLayout
 from jopd.opd.packing import PackPlan, compact_hidden, pack_tokens, packed_hidden
 
 
@@ -202,49 +202,3 @@ def reference_logprobs(reference_params, layout: SequenceLayout, *, model_cfg: M
                          targets_BxT=targets, temperature=loss_cfg.temperature, dtype=dtype)
     lp = out["teacher_target_logprobs_BxT"]
     return lp if plan is None else from_compact(lp, plan.compact)
-
-
-def score_rollout(teacher_params, rollout: RolloutArrays, reference_params=None, *, teacher_cfg: ModelConfig,
-                  student_cfg: ModelConfig, loss_cfg: LossConfig, is_logprobs: str, dtype,
-                  cross_table=None, routing=None) -> TrainBatch:
-    """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
-    the response-aligned loss fields: the teacher's, the sampler's log-probs, advantages, the reference's).
-    With `rollout.plan` (`train.pack`), the sequences are packed: the student's input is the packed rows.
-    With `routing` (several teachers, `opd.teachers`), `teacher_params` and `teacher_cfg` are tuples, and so is
-    `cross_table` with `loss.cross_tokenizer` (None for a teacher of the student's vocabulary)."""
-    sample, plan = rollout.sample, rollout.plan
-    layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
-    if routing is not None:
-        from jopd.opd.teachers import CrossRows, routed_teacher_fields
-
-        cross = None if cross_table is None else CrossRows(rollout.cross, cross_table, sample.done_B)
-        teacher = routed_teacher_fields(teacher_params, layout, teacher_cfgs=teacher_cfg, routing=routing,
-                                        loss_cfg=loss_cfg, student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan,
-                                        cross=cross)
-    elif rollout.cross is None:
-        teacher = teacher_fields(teacher_params, layout, teacher_cfg=teacher_cfg, loss_cfg=loss_cfg,
-                                 student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan)
-    else:  # a teacher with another tokenizer scores its own sequences; its fields come aligned to the student's
-        teacher = cross_teacher_fields(teacher_params, rollout.cross, sample.topk_ids_BxNxK, teacher_cfg=teacher_cfg,
-                                       table=cross_table, mode=loss_cfg.cross_tokenizer,
-                                       temperature=loss_cfg.temperature, chunk=loss_cfg.chunk_size)
-    # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
-    # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
-    # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)
-    is_lp = sample.unprocessed_logprobs_BxN if is_logprobs == "unprocessed" else sample.logprobs_BxN
-    advantages = None
-    if rollout.advantages_B is not None:
-        advantages = jnp.broadcast_to(rollout.advantages_B[:, None], layout.targets_BxN.shape).astype(jnp.float32)
-    reference = None
-    if reference_params is not None:
-        reference = reference_logprobs(reference_params, layout, model_cfg=student_cfg, loss_cfg=loss_cfg, dtype=dtype,
-                                       plan=plan)
-    task = None if rollout.task_B is None else jnp.broadcast_to(rollout.task_B[:, None], layout.targets_BxN.shape)
-    loss = LossBatch(targets_BxT=layout.targets_BxN, response_mask_BxT=layout.response_mask_BxN, task_BxT=task,
-                     sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
-                     advantages_BxT=advantages, reference_logprobs_BxT=reference,
-                     compact=None if plan is None else plan.compact, **teacher)
-    if plan is None:
-        return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)
-    return TrainBatch(tokens_BxS=pack_tokens(layout.tokens_BxS, plan), attn_mask_BxS=plan.segment_BpxC > 0,
-                      loss=loss, plan=plan)
