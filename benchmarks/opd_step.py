@@ -1,7 +1,7 @@
 """Tokens/s of one full OPD step (rollout + teacher scoring + update), stage by stage, and of the update part vs
 TRL's distillation trainers on the same model pair and batch.
 
-Setups (fp32, this machine's CPU; jopd through `jopd.opd.loop.build`, i.e. the `OPDStep` the loop runs):
+Setups (fp32, this machine's CPU; jopd through `jopd.run.loop.build`, i.e. the `OPDStep` the loop runs):
   testbed  the architectures of configs/testbed.yaml, random init (warm starts set to 0 steps: weights do not
            change the speed), its batch (32 prompts, 32 new tokens, top-p 0.95) and loss (top-32 RKL, exact
            mismatch KL on).
@@ -69,8 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark mo
 import trl_update  # noqa: E402
 from dot_timing import dot_seconds  # noqa: E402
 from sampler import matmul_gflops  # noqa: E402
-from jopd.opd import loop  # noqa: E402
-from jopd.opd.run_config import load_config  # noqa: E402
+from jopd.run import loop  # noqa: E402
+from jopd.run.config import load_config  # noqa: E402
 from jopd.opd.step import build_step  # noqa: E402
 from jopd.data.pipeline import train_iterator  # noqa: E402
 from jopd.models import io  # noqa: E402

@@ -53,8 +53,8 @@ from jopd.data.pipeline import train_iterator  # noqa: E402
 from jopd.models import transformer  # noqa: E402
 from jopd.models.config import ModelConfig  # noqa: E402
 from jopd.models.hf_io import read_hf_config  # noqa: E402
-from jopd.opd import loop  # noqa: E402
-from jopd.opd.run_config import load_config  # noqa: E402
+from jopd.run import loop  # noqa: E402
+from jopd.run.config import load_config  # noqa: E402
 from jopd.opd.step import build_step  # noqa: E402
 from jopd.parallel import mesh as meshlib  # noqa: E402
 

@@ -15,10 +15,10 @@ import time
 import jax
 
 from jopd.data.mixture import task_sources
-from jopd.opd.evaluate import evaluate_heldout
-from jopd.opd.loop import build
+from jopd.run.evaluate import evaluate_heldout
+from jopd.run.loop import build
 from jopd.opd.routing import Routing
-from jopd.opd.run_config import load_config
+from jopd.run.config import load_config
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Unknown keys and wrong types fail at construction with an error naming the field, e.g.
 `SamplingConfig.top_p: Input should be less than or equal to 1`. Every component declares its own
-config next to its code with `@config_dataclass`; `jopd.opd.run_config` composes them into a run config.
+config next to its code with `@config_dataclass`; `jopd.run.config` composes them into a run config.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ only (no weights are read: a model path may be a directory holding just config.j
 for the given TPU topology (needs libtpu: pip install 'jopd[tpu]'; no TPU needed) or, without --topology, for
 the local devices. Prints per-device memory per stage; exits with an error if a stage does not fit in HBM.
 
-With --topology it also prints the step on paper (`jopd.opd.roofline`): per stage XLA's FLOPs and bytes per device
+With --topology it also prints the step on paper (`jopd.sizing.roofline`): per stage XLA's FLOPs and bytes per device
 from loop-free cost programs, the roofline time on the chip's peaks, the predicted step time, rollout tokens/s per
 chip and MFU (--no-cost skips it: the cost programs take another compile of each looped stage).
 """
@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from jopd.opd.aot import STAGES
+from jopd.sizing.aot import STAGES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
         # The topology supplies the compile target; the host backend only traces. On a TPU VM this also
         # keeps the tool off chips that a training run may be using.
         jax.config.update("jax_platforms", "cpu")
-    from jopd.opd.aot import check_fits, compile_opd_step, topology_devices
-    from jopd.opd.run_config import load_config
+    from jopd.sizing.aot import compile_opd_step
+    from jopd.sizing.report import check_fits
+    from jopd.sizing.topology import topology_devices
+    from jopd.run.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # validation errors surface before any compile
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]

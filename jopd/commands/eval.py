@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jopd.lab.runs import build_at_checkpoint, checkpoint_dir, run_config
-    from jopd.opd import loop
+    from jopd.run import loop
 
     if args.problems is not None and args.problems < 1:
         raise ValueError(f"--problems: must be >= 1, got {args.problems}")

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jopd.lab.mismatch import measure_config
-    from jopd.opd.run_config import load_config
+    from jopd.run.config import load_config
 
     if args.batches < 1:
         raise ValueError(f"--batches: must be >= 1, got {args.batches}")

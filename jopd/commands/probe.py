@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jopd.lab import probe as probelib
     from jopd.lab.runs import build_at_checkpoint
-    from jopd.opd.run_config import load_config
+    from jopd.run.config import load_config
 
     if args.problems is not None and args.problems < 1:
         raise ValueError(f"--problems: must be >= 1, got {args.problems}")

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jopd.lab.screen import calibration_from_runs, screen
-    from jopd.opd.run_config import load_config
+    from jopd.run.config import load_config
 
     spec = build(ScreenFile, read_yaml_mapping(args.screen), where=Path(args.screen).name)
     cal, configs, in_run = calibration_from_runs(spec.baseline, spec.calibration, spec.quality)

@@ -14,14 +14,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jopd.opd.run_config import load_config, to_yaml
+    from jopd.run.config import load_config, to_yaml
 
     cfg = load_config(args.config, args.overrides)  # validation errors surface before any compute
     if args.print_config:
         print(to_yaml(cfg))
         return 0
     from jopd.lab.probe import training_probe
-    from jopd.opd.loop import train
+    from jopd.run.loop import train
 
     summary = train(cfg, probe_hook=training_probe)  # the loop schedules train.probe_every; the lab measures
     if "stopped" in summary:  # a guard stopped the run (non-finite update, degenerate rollouts): say so, fail

@@ -5,7 +5,7 @@ reshuffled every epoch -> repeat forever -> encode -> batch (drop remainder) -> 
 such stream per task, each batched to its fixed share of the batch, and step n's batch their n-th batches in the
 mix's order (task-major). The iterator is a
 `grain.DatasetIterator`: its position is saved with `grain.checkpoint.CheckpointSave` beside the train state
-(see `jopd.opd.checkpoint`) and a restored iterator continues with the next batch.
+(see `jopd.run.checkpoint`) and a restored iterator continues with the next batch.
 
 Held-out: fixed order, padded with copies of the last problem (`valid` False) to a multiple of the global eval
 batch, then sharded the same way, so every process sees the same number of batches.

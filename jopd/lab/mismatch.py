@@ -96,7 +96,7 @@ def summarize(rows: dict[str, np.ndarray], batch_kl: list[float], wall_s: float,
 def measure(run, state, batches: Iterable[dict[str, np.ndarray]], *, first_step: int = 0, resamples: int = 2000,
             seed: int = 0, progress: bool = True) -> MismatchReport:
     """Mismatch of `run`'s rollout engine (its `rollout_precision`, sampling and noise) against the trainer, on
-    the given prompt batches, with the student at `state`. `run` is a `jopd.opd.loop.OPDRun` whose sampler
+    the given prompt batches, with the student at `state`. `run` is a `jopd.run.loop.OPDRun` whose sampler
     returns its full log-softmax (`train.mismatch: exact`)."""
     step = run.step
     if not step.sampler.sampling.return_full_logprobs:

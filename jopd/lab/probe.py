@@ -431,7 +431,7 @@ def _rows(prefixes: Sequence[Prefix], done: _Continued, rec: dict[str, np.ndarra
 
 def probe(run, student_params, problems: Sequence[Problem], *, options: ProbeOptions = ProbeOptions(),
           continue_fn: ContinueFn | None = None, teacher: int = 0, source: TaskSource | None = None) -> ProbeReport:
-    """The teacher-reliability probe of `run` (a `jopd.opd.loop.OPDRun`: teacher, tokenizer, sampling, data
+    """The teacher-reliability probe of `run` (a `jopd.run.loop.OPDRun`: teacher, tokenizer, sampling, data
     config) with the student at `student_params`, on `problems` (keyed by their position in the list), all of
     task `source` (default: the run's only task). `teacher`: which of several teachers (`RunConfig.teachers`).
     `continue_fn` replaces the teacher's continuation (default: `sampler_continue_fn` on the teacher).
@@ -512,7 +512,7 @@ def probe_pairs(run) -> list[tuple[str, int, TaskSource]]:
 
 
 def training_probe(run) -> Callable[[Any], dict[str, float]]:
-    """`train.probe_every`'s measurement, the probe hook of `jopd.opd.loop.train`: student params -> the probe's
+    """`train.probe_every`'s measurement, the probe hook of `jopd.run.loop.train`: student params -> the probe's
     `training_metrics`, on problems fixed for the run (the first `train.probe_problems` held-out ones of each
     task); with several teachers or tasks, each (`probe_pairs`) as `<teacher>/<task>/<metric>`."""
     tc = run.cfg.train

@@ -19,8 +19,8 @@ import numpy as np
 import yaml
 
 if TYPE_CHECKING:
-    from jopd.opd.loop import OPDRun
-    from jopd.opd.run_config import RunConfig
+    from jopd.run.loop import OPDRun
+    from jopd.run.config import RunConfig
     from jopd.opd.train_state import TrainState
 
 # ---------------------------------------------------------------------------------------------
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def run_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
     """RUN_DIR/config.yaml (what `jopd train` saved), with `train.out_dir` pointing at RUN_DIR."""
-    from jopd.opd.run_config import load_config
+    from jopd.run.config import load_config
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
@@ -74,8 +74,8 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
 
 def restore_state(ckpt_dir: str | Path, abstract_state: Any, step: int | None = None) -> tuple[Any, int]:
     """(train state, its step) from an Orbax checkpoint directory of `jopd train` (default: the latest step)."""
-    from jopd.opd.checkpoint import Checkpointer
-    from jopd.opd.run_config import RunConfig
+    from jopd.run.checkpoint import Checkpointer
+    from jopd.run.config import RunConfig
 
     if not Path(ckpt_dir).is_dir():
         raise FileNotFoundError(f"{ckpt_dir}: no checkpoint directory")
@@ -95,10 +95,10 @@ def restore_state(ckpt_dir: str | Path, abstract_state: Any, step: int | None = 
 
 def build_at_checkpoint(cfg: RunConfig, checkpoint: str | Path | None, step: int | None = None,
                         log=print) -> tuple[OPDRun, TrainState, int | None]:
-    """(run, train state, its step): `cfg`'s run (`jopd.opd.loop.build`) with the student restored from
+    """(run, train state, its step): `cfg`'s run (`jopd.run.loop.build`) with the student restored from
     `checkpoint` (a checkpoint directory or the RUN_DIR holding one) at `step` (default: the latest); with no
     checkpoint, the config's starting student and step None."""
-    from jopd.opd import loop
+    from jopd.run import loop
 
     run, state = loop.build(cfg, log=log)
     if checkpoint is None:

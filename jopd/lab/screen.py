@@ -22,7 +22,7 @@ from jopd.lab.runs import config_field, mean_mismatch, read_eval, read_run_confi
 from jopd.lab.budget import Calibration, calibrate, count_matches, decide
 from jopd.lab.sweep import run_config as setup_run_config
 from jopd.lab.sweep_config import QualityConfig, SweepConfig
-from jopd.opd.run_config import RunConfig
+from jopd.run.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)

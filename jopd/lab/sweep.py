@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from jopd.lab.runs import WALL_FILE, eval_path, is_finished
 from jopd.lab.sweep_config import SetupConfig, SweepConfig
-from jopd.opd.run_config import RunConfig, load_config
+from jopd.run.config import RunConfig, load_config
 
 
 def run_dir(sweep: SweepConfig, setup: str, seed: int, method: str | None = None) -> Path:
@@ -126,7 +126,7 @@ def run_sweep(sweep: SweepConfig, log=print, only: set[str] | None = None) -> li
 
 def _train_planned(sweep: SweepConfig, log, only: set[str] | None = None) -> list[dict]:
     from jopd.lab.probe import training_probe
-    from jopd.opd.loop import train
+    from jopd.run.loop import train
 
     records = []
     runs = [r for r in planned_runs(sweep) if only is None or r[1].name in only]

@@ -33,7 +33,7 @@ from jopd.losses.chunked import chunked_logits_map
 from jopd.losses.config import LossConfig
 from jopd.losses.is_correction import (exact_kl_BxT, importance_ratio, importance_weights, is_metrics,
                                       mismatch_estimators)
-from jopd.losses.kinds import OBJECTIVES, Metrics, Objective
+from jopd.losses.kinds import OBJECTIVES, Metrics
 from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
 from jopd.models.config import ModelConfig

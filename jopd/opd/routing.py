@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jopd.data.mixture import batch_rows, task_sources
-from jopd.opd.run_config import RunConfig
+
+if TYPE_CHECKING:  # the run's config is the layer above the step (jopd.run): annotations only
+    from jopd.run.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)

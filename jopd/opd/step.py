@@ -10,11 +10,9 @@ The teachers are a tuple, one entry per teacher (`RunConfig.teacher_sources`: th
 and so are their configs, params and cross-tokenizer objects; the `Routing` says which scores which rows
 (`opd.routing`; one teacher is a routing of one).
 
-Every device stage is jitted once here with explicit shardings (pjit's modern form): TRAIN rules (fsdp x
-tensor) for the student, its optimizer state and the teacher (or, by a teacher's `placement: replicated`, its
-parameters whole on every device); SAMPLE rules (tensor only) for the rollout copy
-of the student; the batch over data x fsdp. The shardings are computed once, from `eval_shape` of the initial
-state, and the same ones serve init, restore and the step. `jopd train`'s loop, `jopd aot` (which lowers the
+Every device stage is jitted once here with explicit shardings (pjit's modern form), computed once per run
+(`opd.shardings`); what the step derives from the config (the resolved loss config, the seeds) is
+`opd.resolve`, and its arguments are checked by `opd.validate` (the config itself was checked when built). `jopd train`'s loop, `jopd aot` (which lowers the
 same jitted stages from abstract inputs), the lab commands and the benchmarks all call this object; none
 spells the step out again. What a loss kind needs (teacher logits, advantages, groups of rollouts) comes
 from its entry in `losses.kinds.OBJECTIVES`; the stages are files: the sampler (`jopd.sampling`), the scoring
@@ -38,13 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jopd.data.mixture import task_sources
 from jopd.losses import LossConfig
@@ -58,37 +55,20 @@ from jopd.opd import packing, rewards, routing as routinglib, validate
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
 from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sampler_full_logprobs
 from jopd.opd.optim import make_optimizer
+from jopd.opd.resolve import resolve_loss_config, rollout_seed, rollouts_per_prompt, weight_sync_key
+from jopd.opd.shardings import StepShardings, step_shardings
 from jopd.opd.rewards import RLTrainState
-from jopd.opd.run_config import RunConfig
 from jopd.opd.student_loss import rollout_loss_fn
 from jopd.opd.scoring import score_rollout
-from jopd.opd.train_state import TrainState, make_train_step, new_train_state, opt_state_shardings
+from jopd.opd.train_state import TrainState, inner_update_metrics, make_train_step, new_train_state
 from jopd import parallel as meshlib
 from jopd.parallel.distributed import host_local_to_global
 from jopd.sampling.config import RowRandomness, SampleOutput, SamplerShardings, row_randomness
 from jopd.sampling.precision import prepare_sampler_params
 from jopd.sampling.sampler import Sampler
 
-
-def rollout_seed(train_seed: int) -> int:
-    """Seed of the sampler's per-row draws (`row_randomness`): a function of `train.seed` only, kept apart
-    from every other stream that seed feeds (model init, weight noise)."""
-    return train_seed * 1_000_003 + 7
-
-
-def weight_sync_key(rng: jax.Array, step: int | jax.Array) -> jax.Array:
-    """Key of step n's weight noise (`rollout_precision.weight_noise`, drawn once per weight sync)."""
-    return jax.random.fold_in(jax.random.fold_in(rng, step), 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShardings:
-    student: Any  # trainer layout of the student params
-    teacher: tuple[Any, ...]  # each teacher's params (held all run long; each by its `placement`)
-    sampler_params: Any  # rollout layout of the student, layers unstacked (what the weight sync returns)
-    state: TrainState  # the train state's, from eval_shape of the initial state
-    batch: NamedSharding  # leading dim over data x fsdp; its rank-1 spec fits every batch leaf of rank >= 1
-    cache: NamedSharding  # every per-layer [B, K, S, Dh] KV-cache buffer
+if TYPE_CHECKING:  # the run's config is the layer above the step (jopd.run): annotations only
+    from jopd.run.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,42 +114,6 @@ class Rollout:
         """The rollout without the sampler's [B, N, V] log-softmax (freed once the update has read it)."""
         sample = self.sample._replace(full_logprobs_BxNxV=None)
         return dataclasses.replace(self, arrays=self.arrays.replace(sample=sample))
-
-
-def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:
-    """Fill run-dependent loss fields: the masked target tokens (`train.mask`, from the tokenizer; EOS is always
-    trained, so the student keeps learning when to stop), the sampler's temperature (the loss compares
-    distributions at it), and the run's tasks when it mixes several (per-task metrics). A cross-tokenizer kind's
-    support is the projected one (the student's top-K ids, K of them): `loss.support` does not apply to it."""
-    from jopd.data.toy_tokenizer import special_token_ids
-
-    validate.check_tokenizer(cfg, tokenizer)
-    special, template = cfg.loss.special_token_ids, cfg.loss.template_token_ids
-    if tokenizer is not None and not special and cfg.train.mask == "all_special":
-        special = tuple(sorted(set(special_token_ids(tokenizer)) - {tokenizer.eos_token_id}))
-    if tokenizer is not None and not template and cfg.train.mask == "template_first" and cfg.train.template_tokens:
-        vocab = tokenizer.get_vocab()
-        template = tuple(sorted({vocab[t] for t in cfg.train.template_tokens} - {tokenizer.eos_token_id}))
-    tasks = tuple(s.name for s in task_sources(cfg.data))
-    loss = dataclasses.replace(cfg.loss, special_token_ids=special, template_token_ids=template,
-                               temperature=cfg.sampling.temperature, task_names=tasks if len(tasks) > 1 else ())
-    if loss.cross_tokenizer != "off":
-        loss = dataclasses.replace(loss, support="teacher_topk", support_sampled=False)
-    return loss
-
-
-# Metrics that describe the rollout against the trainer's params at the weight sync: with several inner
-# updates they are taken from the first one (later ones see a policy the sampler never ran).
-_ROLLOUT_METRICS = ("mismatch_", "is_", "entropy", "kl_ref", "target_logprob", "teacher_kl_k1")
-
-
-def inner_update_metrics(history: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-    """One row of metrics for `len(history)` updates on one batch: the rollout's (`_ROLLOUT_METRICS`) from the
-    first update, the mean over the updates for the rest (loss, grad_norm, ratio_mean, clip_frac, ...)."""
-    if len(history) == 1:
-        return history[0]
-    out = {k: sum(m[k] for m in history) / len(history) for k in history[0]}
-    return out | {k: v for k, v in history[0].items() if k.startswith(_ROLLOUT_METRICS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,66 +341,6 @@ class OPDStep:
         return r, a, ema
 
 
-def rollouts_per_prompt(cfg: RunConfig) -> int:
-    """G, the rollouts of each prompt per step: GRPO's `rl.group_size`, else `sampling.samples_per_prompt` (the two
-    agree: `validate.check_run`)."""
-    if OBJECTIVES[cfg.loss.kind].grouped:
-        return cfg.rl.group_size
-    return cfg.sampling.samples_per_prompt
-
-
-def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
-                   optimizer: optax.GradientTransformation, running_baseline: bool = False) -> StepShardings:
-    train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
-    student = meshlib.param_shardings(s_cfg, mesh, train_rules)
-    # The sampler decodes over per-layer weights: the sync hands them over unstacked, so the sampler program
-    # does not copy them (see `transformer.forward`).
-    sampler_params = meshlib.unstacked_layer_shardings(meshlib.param_shardings(s_cfg, mesh, sample_rules),
-                                                       s_cfg.num_layers)
-    params = meshlib.sharded_abstract(transformer.abstract_params(s_cfg, DTYPES[cfg.student.dtype]), student)
-    replicated = NamedSharding(mesh, P())
-    state = TrainState(step=replicated, params=student, opt_state=opt_state_shardings(optimizer, params),
-                       rng=replicated)
-    if running_baseline:
-        state = RLTrainState(**vars(state), reward_ema=replicated)
-    # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
-    meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size * rollouts_per_prompt(cfg),),
-                           where="data.batch_size")
-    teacher = tuple(teacher_shardings(c, mesh, train_rules, src.placement)
-                    for c, src in zip(t_cfgs, cfg.teacher_sources()))
-    return StepShardings(
-        student=student, teacher=teacher, sampler_params=sampler_params,
-        state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
-        cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"])
-
-
-def teacher_shardings(t_cfg: ModelConfig, mesh, train_rules: meshlib.AxisRules, placement: str):
-    """A teacher's parameter shardings for its `placement`: `fsdp`, the trainer's rules (FSDP x tensor); `replicated`,
-    every leaf whole on every device (P()), so its forward never all-gathers a weight."""
-    if placement == "replicated":
-        return jax.tree.map(lambda _: NamedSharding(mesh, P()), transformer.abstract_params(t_cfg))
-    return meshlib.param_shardings(t_cfg, mesh, train_rules)
-
-
-def _check_teacher_tuples(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs, cross) -> None:
-    """`t_cfgs` and `cross` against the run's teachers: one entry each per teacher (`teacher_sources`); with a
-    cross-tokenizer `loss.kind`, a `CrossTeacher` for a teacher with another tokenizer, None for one of the
-    student's vocabulary (scored directly: same `vocab_size`); without it, None for all."""
-    n = len(cfg.teacher_sources())
-    if not isinstance(t_cfgs, tuple) or len(t_cfgs) != n:
-        where = f"{n} teachers in RunConfig.teachers" if cfg.teachers else "one RunConfig.teacher"
-        raise ValueError(f"build_step: {where}, but t_cfg is "
-                         f"{'a tuple of ' + str(len(t_cfgs)) if isinstance(t_cfgs, tuple) else 'one ModelConfig'} "
-                         f"(a tuple of one ModelConfig per teacher)")
-    if not isinstance(cross, tuple) or len(cross) != n:
-        raise ValueError(f"build_step: {n} teachers with loss.kind={cfg.loss.kind} need `cross` as a tuple "
-                         f"of as many (None: a teacher of the student's vocabulary)")
-    for i, (c, m) in enumerate(zip(cross, t_cfgs)):
-        if c is None and m.vocab_size != s_cfg.vocab_size and cfg.loss.cross_tokenizer != "off":
-            raise ValueError(f"RunConfig.teachers[{i}]: vocab_size={m.vocab_size} is not the student's "
-                             f"({s_cfg.vocab_size}), so it needs its own tokenizer (`teachers[{i}].tokenizer`)")
-
-
 def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool
                    ) -> TrainState:
     state = new_train_state(params, optimizer, rng)
@@ -476,7 +360,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     objective = OBJECTIVES[loss_cfg.kind]
     validate.check_cross(cfg, cross)
     cross = (None,) * len(cfg.teacher_sources()) if cross is None else cross
-    _check_teacher_tuples(cfg, s_cfg, t_cfgs, cross)
+    validate.check_teacher_tuples(cfg, s_cfg, t_cfgs, cross)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)

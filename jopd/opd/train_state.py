@@ -110,3 +110,17 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gr
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step
+
+
+# Metrics that describe the rollout against the trainer's params at the weight sync: with several inner
+# updates they are taken from the first one (later ones see a policy the sampler never ran).
+_ROLLOUT_METRICS = ("mismatch_", "is_", "entropy", "kl_ref", "target_logprob", "teacher_kl_k1")
+
+
+def inner_update_metrics(history: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """One row of metrics for `len(history)` updates on one batch: the rollout's (`_ROLLOUT_METRICS`) from the
+    first update, the mean over the updates for the rest (loss, grad_norm, ratio_mean, clip_frac, ...)."""
+    if len(history) == 1:
+        return history[0]
+    out = {k: sum(m[k] for m in history) / len(history) for k in history[0]}
+    return out | {k: v for k, v in history[0].items() if k.startswith(_ROLLOUT_METRICS)}

@@ -24,7 +24,7 @@ from jopd.opd.cross_teacher import TEACHER_SLACK
 
 if TYPE_CHECKING:
     from jopd.models.config import ModelConfig
-    from jopd.opd.run_config import RunConfig
+    from jopd.run.config import RunConfig
 
 
 # -- the config alone -----------------------------------------------------------------------------------------
@@ -190,3 +190,22 @@ def check_cross(cfg: "RunConfig", cross) -> None:
     if not crossed and any(c is not None for c in cross or ()):
         raise ValueError(f"RunConfig.loss.kind={kind}: needs a teacher of the student's vocabulary, but the step was "
                          f"given a cross-tokenizer teacher")
+
+
+def check_teacher_tuples(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs, cross) -> None:
+    """`t_cfgs` and `cross` against the run's teachers: one entry each per teacher (`teacher_sources`); with a
+    cross-tokenizer `loss.kind`, a `CrossTeacher` for a teacher with another tokenizer, None for one of the
+    student's vocabulary (scored directly: same `vocab_size`); without it, None for all."""
+    n = len(cfg.teacher_sources())
+    if not isinstance(t_cfgs, tuple) or len(t_cfgs) != n:
+        where = f"{n} teachers in RunConfig.teachers" if cfg.teachers else "one RunConfig.teacher"
+        raise ValueError(f"build_step: {where}, but t_cfg is "
+                         f"{'a tuple of ' + str(len(t_cfgs)) if isinstance(t_cfgs, tuple) else 'one ModelConfig'} "
+                         f"(a tuple of one ModelConfig per teacher)")
+    if not isinstance(cross, tuple) or len(cross) != n:
+        raise ValueError(f"build_step: {n} teachers with loss.kind={cfg.loss.kind} need `cross` as a tuple "
+                         f"of as many (None: a teacher of the student's vocabulary)")
+    for i, (c, m) in enumerate(zip(cross, t_cfgs)):
+        if c is None and m.vocab_size != s_cfg.vocab_size and cfg.loss.cross_tokenizer != "off":
+            raise ValueError(f"RunConfig.teachers[{i}]: vocab_size={m.vocab_size} is not the student's "
+                             f"({s_cfg.vocab_size}), so it needs its own tokenizer (`teachers[{i}].tokenizer`)")

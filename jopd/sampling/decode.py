@@ -1,4 +1,4 @@
-"""The decode primitive every rollout engine and the cost programs (`jopd.opd.aot_cost`) are made of: `prefill`
+"""The decode primitive every rollout engine and the cost programs (`jopd.sizing.cost`) are made of: `prefill`
 (prompts into a KV cache, the logits of each prompt's last position), `pick` (one step's token choice from raw
 logits) and `decode_step` (one token per row through the model against the cache, then `pick`). No other module
 runs the cached forward or spells the choice out again.

@@ -98,7 +98,7 @@ class Sampler:
     def program_for(self, program: int = 0):
         """The jitted program of `EngineChoice.program` (0: the static engine; g > 0: the slot engine, g samples
         per prompt), with this sampler's shardings and the cache donated; e.g. `.lower(params, prompt, mask, rand,
-        cache)` (`jopd.opd.aot`)."""
+        cache)` (`jopd.sizing.aot`)."""
         if program not in self._programs:
             precision, sampling = _program_precision(self.precision), _program_sampling(self.sampling)
             if self.shardings is None:

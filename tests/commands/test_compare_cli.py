@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jopd import cli
-from jopd.opd.evaluate import EvalResult
+from jopd.run.evaluate import EvalResult
 
 N = 530
 DIFFICULTY = np.random.default_rng(0).gamma(2.0, 0.3, N)

@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from jopd import cli
-from jopd.opd import checkpoint
+from jopd.run import checkpoint
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 

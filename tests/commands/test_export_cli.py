@@ -9,7 +9,7 @@ from jopd import cli
 from jopd.data.chat import user_prompt_ids
 from jopd.lab.runs import checkpoint_dir, restore_state, run_config
 from jopd.models import io
-from jopd.opd import loop
+from jopd.run import loop
 from jopd.sampling.greedy import greedy_tokens
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 

@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 
 from jopd.data.arithmetic import ArithmeticConfig, heldout_problems
-from jopd.opd.run_config import load_config
+from jopd.run.config import load_config
 
 
 def test_testbed_heldout_split_is_unchanged():

@@ -6,7 +6,7 @@ from pathlib import Path
 from jopd.data.chat import prompt_response_ids
 from jopd.data.pipeline import load_problems
 from jopd.models import io
-from jopd.opd.run_config import load_config
+from jopd.run.config import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "smollm2_arith.yaml"
 

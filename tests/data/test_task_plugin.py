@@ -11,8 +11,8 @@ from jopd.config_dataclass import ConfigError
 from jopd.data.pipeline import load_problems, train_iterator
 from jopd.data.tasks import TASKS
 from jopd.data.toy_tokenizer import build_toy_tokenizer
-from jopd.opd.loop import train
-from jopd.opd.run_config import load_config
+from jopd.run.loop import train
+from jopd.run.config import load_config
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "reverse_task.py"

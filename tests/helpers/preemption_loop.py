@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jopd.opd.checkpoint import CheckpointConfig, Checkpointer, PreemptionGuard
+from jopd.run.checkpoint import CheckpointConfig, Checkpointer, PreemptionGuard
 
 
 def data_iterator():

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jopd.opd.checkpoint import PreemptionGuard
+from jopd.run.checkpoint import PreemptionGuard
 
 
 def main(process_id: int, port: int) -> int:

@@ -17,8 +17,8 @@ from jopd.losses import LossConfig
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import sequence_layout
-from jopd.opd.loop import OPDRun
-from jopd.opd.run_config import load_config
+from jopd.run.loop import OPDRun
+from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
 from tests.helpers.tiny_params import numpy_params

@@ -13,8 +13,8 @@ import yaml
 from jopd import cli
 from jopd.data.pipeline import load_problems
 from jopd.lab import probe as probelib
-from jopd.opd import loop
-from jopd.opd.run_config import load_config
+from jopd.run import loop
+from jopd.run.config import load_config
 
 # The teacher is left untrained and shares the student's architecture (its quality does not matter here; one SFT
 # compile and one init compile less keep the file fast); the student gets just enough SFT to write step-shaped,

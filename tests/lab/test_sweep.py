@@ -9,7 +9,7 @@ import yaml
 from jopd import cli
 from jopd.lab import sweep as sweeplib
 from jopd.lab.sweep_config import load_sweep
-from jopd.opd import loop
+from jopd.run import loop
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 class Killed(Exception):
@@ -142,7 +142,7 @@ def test_a_second_sweep_on_the_same_out_dir_is_refused_while_the_first_trains(sw
 
 
 def test_only_runs_with_the_same_student_teacher_and_eval_share_the_before_eval():
-    from jopd.opd.run_config import load_config
+    from jopd.run.config import load_config
 
     key = lambda *o: sweeplib._before_eval_key(load_config(None, list(o)))  # noqa: E731
     assert key() == key("rollout_precision.logit_noise=3.0", "train.seed=1", "loss.kind=rkl")  # the bracket's setups

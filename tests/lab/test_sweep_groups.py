@@ -118,7 +118,7 @@ def test_mean_metric_and_wall_seconds(tmp_path):
 def test_only_trains_the_named_setups_or_groups_and_the_baseline(sweep, monkeypatch, capsys):
     """`jopd sweep --only tis`: the baseline and the tis group train, nothing else; an unknown name is one line."""
     from jopd.lab import sweep as sweeplib
-    from jopd.opd import loop
+    from jopd.run import loop
 
     trained = []
 

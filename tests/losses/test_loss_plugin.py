@@ -16,8 +16,8 @@ from scipy import special
 from jopd import registry
 from jopd.losses import LossBatch, LossConfig, token_loss_from_logits
 from jopd.losses.kinds import OBJECTIVES, Objective
-from jopd.opd.loop import train
-from jopd.opd.run_config import load_config, to_yaml
+from jopd.run.loop import train
+from jopd.run.config import load_config, to_yaml
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "alpha_divergence.py"

@@ -140,8 +140,8 @@ def test_default_masking_trains_emitted_special_tokens_and_masks_template_first_
 
 def test_run_config_masking_resolves_from_the_tokenizer():
     from jopd.data.toy_tokenizer import build_toy_tokenizer
-    from jopd.opd.run_config import load_config
-    from jopd.opd.step import resolve_loss_config
+    from jopd.run.config import load_config
+    from jopd.opd.resolve import resolve_loss_config
 
     tok = build_toy_tokenizer()
     default = resolve_loss_config(load_config(None), tok)
@@ -155,7 +155,7 @@ def test_run_config_masking_resolves_from_the_tokenizer():
 
 
 def test_configs_saved_before_train_mask_still_load(tmp_path):
-    from jopd.opd.run_config import load_config
+    from jopd.run.config import load_config
 
     old = tmp_path / "config.yaml"
     old.write_text("train: {mask_special_tokens: true, steps: 3}\n")

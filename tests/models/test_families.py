@@ -12,7 +12,7 @@ from jopd.models import io
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.models.families import FAMILIES, Family
-from jopd.opd.run_config import ArchConfig
+from jopd.run.config import ArchConfig
 from tests.helpers.gguf_models import write_gguf
 from tests.helpers.hf_models import make_hf_model
 

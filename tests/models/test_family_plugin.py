@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jopd.models import io
-from jopd.opd.loop import train
-from jopd.opd.run_config import load_config
+from jopd.run.loop import train
+from jopd.run.config import load_config
 from tests.helpers.tiny_testbed import TINY, tiny_cache, write_tiny
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "my_family.py"

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from jopd.opd.run_config import load_config
+from jopd.run.config import load_config
 from jopd.models import io
 from jopd.models import transformer as T
-from jopd.opd.model_sources import precheck_sources
+from jopd.run.model_sources import precheck_sources
 from tests.helpers.hf_models import make_hf_model, right_padded_batch
 
 

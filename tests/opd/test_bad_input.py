@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jopd import cli
-from jopd.opd.run_config import load_config, to_yaml
+from jopd.run.config import load_config, to_yaml
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 VALUES = st.one_of(st.none(), st.booleans(), st.sampled_from([-1, 0, 1, 2, 3, 7, 10**12]),

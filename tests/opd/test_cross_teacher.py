@@ -20,10 +20,10 @@ from jopd.data.tasks import TASKS
 from jopd.data.toy_tokenizer import build_toy_tokenizer
 from jopd.models import io
 from jopd.models import transformer as T
-from jopd.opd import model_sources
+from jopd.run import model_sources
 from jopd.opd.cross_teacher import CrossTeacher
-from jopd.opd.loop import train
-from jopd.opd.run_config import load_config
+from jopd.run.loop import train
+from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
 from tests.helpers.tiny_params import numpy_params

@@ -12,9 +12,10 @@ import yaml
 
 from jopd import cli
 from jopd.lab.probe import training_probe
-from jopd.opd.aot import compile_opd_step, model_config_of
-from jopd.opd.loop import train
-from jopd.opd.run_config import load_config
+from jopd.sizing.aot import compile_opd_step
+from jopd.sizing.arch import model_config_of
+from jopd.run.loop import train
+from jopd.run.config import load_config
 from jopd.models import transformer
 from tests.helpers.tiny_testbed import TINY, tiny_cache
 

@@ -14,7 +14,7 @@ from jopd.losses.layout import from_compact, to_compact
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays
 from jopd.opd.packing import plan_packing
-from jopd.opd.run_config import load_config
+from jopd.run.config import load_config
 from jopd.opd.step import Rollout, build_step
 from jopd.opd.student_loss import rollout_loss_fn
 from jopd.parallel import mesh as M

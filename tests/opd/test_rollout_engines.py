@@ -7,8 +7,8 @@ import pytest
 
 from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import build_toy_tokenizer
-from jopd.opd import model_sources
-from jopd.opd.run_config import load_config
+from jopd.run import model_sources
+from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
 from jopd.sampling.slots import slot_iterations

@@ -12,7 +12,7 @@ import pytest
 
 from jopd.losses import LossConfig
 from jopd.models.config import ModelConfig
-from jopd.opd.run_config import load_config
+from jopd.run.config import load_config
 from jopd.opd.batch import RolloutArrays
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M

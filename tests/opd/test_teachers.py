@@ -13,7 +13,7 @@ from jopd.losses.compute import per_task_means
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays, sequence_layout
-from jopd.opd.run_config import load_config
+from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.opd.teacher_scoring import teacher_fields
 from jopd.opd.routing import shard_order

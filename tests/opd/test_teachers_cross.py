@@ -18,9 +18,9 @@ from jopd.config_dataclass import ConfigError
 from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import build_toy_tokenizer
 from jopd.models import io
-from jopd.opd import model_sources
-from jopd.opd.loop import train
-from jopd.opd.run_config import load_config
+from jopd.run import model_sources
+from jopd.run.loop import train
+from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.opd.routing import row_teachers
 from jopd.parallel import mesh as M
@@ -187,7 +187,7 @@ def test_the_eval_measures_each_row_per_character_against_its_own_teacher(tokeni
     """`evaluate.heldout_divergence_B` of a cross run: the toy teacher's rows (log p_s - log p_t of the student's tokens) /
     (characters + end of turn) with log p_t from a float64 forward; the cross teacher's rows its own measure."""
     from jopd.models import transformer as T
-    from jopd.opd.evaluate import cross_divergence_B, heldout_divergence_B
+    from jopd.run.evaluate import cross_divergence_B, heldout_divergence_B
 
     step, teachers = _step([MIXED, "loss.kind=xtok_sampled"], tokenizers)
     rollout, _ = _rollout_and_score(step, teachers, numpy_params(step.student_cfg, 0, layer_scale=3.0, head_scale=3.0))

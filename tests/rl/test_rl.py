@@ -148,7 +148,7 @@ def test_rl_per_token_settings_from_older_configs_land_in_the_loss_config(tmp_pa
     import yaml
 
     from jopd.config_dataclass import ConfigError
-    from jopd.opd.run_config import load_config
+    from jopd.run.config import load_config
 
     saved = tmp_path / "config.yaml"
     saved.write_text(yaml.safe_dump({"rl": {"group_size": 2, "kl_coef": 0.05, "clip_eps": 0.3, "token_sum_norm": True},

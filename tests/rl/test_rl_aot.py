@@ -1,8 +1,8 @@
 """`jopd aot` lowers the RL step's extra pieces: the reference params (the sixth argument of score_fn when
 loss.kl_coef > 0) and the running-mean baseline's train state."""
 
-from jopd.opd import aot
-from jopd.opd.run_config import load_config
+from jopd.sizing import aot
+from jopd.run.config import load_config
 
 TINY = ["data.batch_size=8", "data.max_prompt_len=16", "sampling.max_new_tokens=8", "loss.top_k=8",
         "student.arch.num_layers=1", "teacher.arch.num_layers=1", "rl.group_size=2"]

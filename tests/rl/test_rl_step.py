@@ -13,9 +13,9 @@ import yaml
 
 from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import build_toy_tokenizer
-from jopd.opd.loop import train
-from jopd.opd import model_sources
-from jopd.opd.run_config import load_config
+from jopd.run.loop import train
+from jopd.run import model_sources
+from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
 from tests.helpers.tiny_params import numpy_params

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jopd.lab import rl_verdict as rv
-from jopd.opd.evaluate import EvalResult
+from jopd.run.evaluate import EvalResult
 
 
 def healthy_rows(steps=10, reward=0.3, entropy=0.6, at_cap=0.1, **last):

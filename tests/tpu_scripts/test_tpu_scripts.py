@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jopd.opd.checkpoint import checkpoint_directory
+from jopd.run.checkpoint import checkpoint_directory
 from jopd.parallel.distributed import DistributedConfig, config_from_env
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "tpu_scripts"

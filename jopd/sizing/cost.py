@@ -1,4 +1,4 @@
-"""The step on paper for `jopd aot --topology` (`jopd.opd.roofline`): loop-free cost programs whose XLA cost
+"""The step on paper for `jopd aot --topology` (`jopd.sizing.roofline`): loop-free cost programs whose XLA cost
 analysis, times their runs, is each looped stage's (XLA counts a loop body once), and the prediction built from
 them: per stage FLOPs and bytes per device, the roofline time on the chip's peaks, the step time, rollout
 tokens/s per chip and MFU."""
@@ -21,10 +21,11 @@ from tqdm.auto import tqdm
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd import parallel as meshlib
-from jopd.opd.aot import StageReport, StepInputs, _abstract, _cache, _compile, step_inputs
+from jopd.sizing.report import StageReport
+from jopd.sizing.stages import StepInputs, abstract, compile_stage, kv_cache, step_inputs
 from jopd.opd.batch import scoring_input
-from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_notes, model_flops
-from jopd.opd.run_config import RunConfig
+from jopd.sizing.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_notes, model_flops
+from jopd.run.config import RunConfig
 from jopd.losses.compute import loss_chunk
 from jopd.opd.step import OPDStep, build_step
 from jopd.sampling import decode
@@ -129,7 +130,7 @@ def _unstacked(tree):
             return params
         n = jax.tree.leaves(params["layers"])[0].shape[0]
         shardings = meshlib.unstacked_layer_shardings(_shardings_of(params), n)
-        return _abstract(jax.eval_shape(transformer.unstack_layers, params), shardings)
+        return abstract(jax.eval_shape(transformer.unstack_layers, params), shardings)
 
     return jax.tree.map(unstack, tree, is_leaf=is_params)
 
@@ -176,7 +177,7 @@ def _rollout_programs(step: OPDStep, ins: StepInputs) -> list[CostProgram]:
     # the static engine writes every row at one slot index (a scalar); the slot engine's rows are at their own steps
     scalar = sds((), jnp.int32, sharding=NamedSharding(step.mesh, PartitionSpec()))
     index = per_row(S, jnp.int32) if engine.per_row else scalar
-    prefill_cache = _cache(step, U) if engine.per_row else ins.cache
+    prefill_cache = kv_cache(step, U) if engine.per_row else ins.cache
     token_out = {k: b for k in _token_keys(step)}
     prefill = jax.jit(functools.partial(_prefill, step), donate_argnums=5,
                       out_shardings=token_out | {"cache": _shardings_of(prefill_cache)})
@@ -243,7 +244,7 @@ def _cost_part(mesh, program: CostProgram, num_devices: int, options) -> Part:
             continue
         with jax.set_mesh(mesh):
             lowered = lower()
-            compiled, _, error = _compile(program.name, lambda: lowered, options)
+            compiled, _, error = compile_stage(program.name, lambda: lowered, options)
         if compiled is None:
             break
         costs.append(Cost.of(compiled, lowered.as_text(), num_devices))

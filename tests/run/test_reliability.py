@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from jopd.opd.checkpoint import CheckpointConfig, Checkpointer
-from jopd.opd.loop import build, train
-from jopd.opd.run_config import load_config
+from jopd.run.checkpoint import CheckpointConfig, Checkpointer
+from jopd.run.loop import build, train
+from jopd.run.config import load_config
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jopd import cli
-from jopd.opd.guards import GuardConfig, RunGuard, loggable
+from jopd.run.guards import GuardConfig, RunGuard, loggable
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 
@@ -57,7 +57,7 @@ def test_a_run_with_no_loss_tokens_stops_and_says_why(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_nonfinite_update_is_skipped_and_stops_the_run(tmp_path, capsys):
     from jopd.lab.runs import restore_state, run_config
-    from jopd.opd import loop
+    from jopd.run import loop
 
     cfg = write_tiny(tmp_path / "tiny.yaml", train={"steps": 8}, optim={"learning_rate": 1e38, "warmup_steps": 0})
     out = tmp_path / "run"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from jopd.opd.run_config import load_config
-from jopd.opd.loop import train
+from jopd.run.config import load_config
+from jopd.run.loop import train
 
 TINY = {
     "teacher": {"arch": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2,

@@ -7,9 +7,9 @@ import numpy as np
 from jopd.data.toy_tokenizer import build_toy_tokenizer
 from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
-from jopd.opd.model_sources import get_model
-from jopd.opd.run_config import load_config
-from jopd.opd.warm_start import sft_key
+from jopd.run.model_sources import get_model
+from jopd.run.config import load_config
+from jopd.run.warm_start import sft_key
 
 TOK = build_toy_tokenizer()
 START = ModelConfig(family="llama", vocab_size=len(TOK), hidden_size=16, intermediate_size=32, num_layers=2,

@@ -1,6 +1,6 @@
 """TPU on paper: a roofline prediction of one OPD step from XLA's cost analysis and a table of chip peaks.
 
-Each stage's time is the sum over its cost programs (`jopd.opd.aot_cost.cost_programs`: loop-free programs lowered
+Each stage's time is the sum over its cost programs (`jopd.sizing.cost.cost_programs`: loop-free programs lowered
 with the stage's shardings, each run `count` times) of max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), per
 device, from `compiled.cost_analysis()`. The stages run one after another, so the step is their sum. Matmuls
 with float32 operands at Precision.HIGHEST (the fp32 trainer's and the teacher scoring's) run as 6 bf16 passes

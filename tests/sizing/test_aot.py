@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jopd.opd import aot
+from jopd.sizing import aot, arch, stages, topology
+from jopd.sizing.report import check_fits
 from jopd.cli import main
-from jopd.opd.run_config import ModelSource, load_config
+from jopd.run.config import ModelSource, load_config
 from jopd.models import io
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def test_compiled_sizes_match_shapes_and_shardings(fsdp8):
     from jopd.models import transformer
 
     cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8")
-    model = aot.model_config_of(cfg.student, "student")
+    model = arch.model_config_of(cfg.student, "student")
     mesh = meshlib.make_mesh(cfg.mesh)
     shapes = transformer.abstract_params(model)
     train_bytes = meshlib.sharded_bytes_per_device(shapes, meshlib.param_shardings(model, mesh, meshlib.TRAIN_RULES))
@@ -83,7 +84,7 @@ def test_scoring_neither_takes_nor_copies_the_samplers_full_logprobs():
     Were it a scoring argument, the jitted pass-through would write a copy into a new output buffer (3.9 GiB per
     chip on the Llama v5e config); instead it is held (counted once) while the scoring runs."""
     cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8", "train.mismatch=exact")
-    V = aot.model_config_of(cfg.student, "student").vocab_size
+    V = arch.model_config_of(cfg.student, "student").vocab_size
     full = cfg.data.batch_size // 8 * cfg.sampling.max_new_tokens * V * 4  # fp32 bytes per device, rows over 8
     r = aot.compile_opd_step(cfg, stages=["teacher_scoring", "train_step"], progress=False)
     scoring, train = r.stages
@@ -96,10 +97,10 @@ def test_scoring_neither_takes_nor_copies_the_samplers_full_logprobs():
 
 
 def test_hbm_check_names_the_stage(fsdp8):
-    aot.check_fits(fsdp8)  # unknown HBM: no check
+    check_fits(fsdp8)  # unknown HBM: no check
     small = dataclasses.replace(fsdp8, hbm_per_device=next(s.peak for s in fsdp8.stages if s.name == "sample"))
     with pytest.raises(ValueError, match=r"stage (teacher_scoring|train_step|weight_sync): needs .* GiB HBM"):
-        aot.check_fits(small)
+        check_fits(small)
     assert "sample: needs" not in "; ".join(small.failures())  # exactly at the budget fits
 
 
@@ -109,7 +110,7 @@ def test_compiler_refusal_is_a_failed_stage():
             raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
                                "temporaries (211.12G) exceeds available HBM (15.75G).")
 
-    compiled, _, error = aot._compile("train_step", lambda: Refuses())
+    compiled, _, error = stages.compile_stage("train_step", lambda: Refuses())
     assert compiled is None and "211.12G" in error
 
     class Broken:
@@ -117,7 +118,7 @@ def test_compiler_refusal_is_a_failed_stage():
             raise RuntimeError("INVALID_ARGUMENT: something else")
 
     with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
-        aot._compile("train_step", lambda: Broken())
+        stages.compile_stage("train_step", lambda: Broken())
 
 
 # Published sizes: Llama 3.1 8B and 3.2 1B exactly; Qwen3 model cards give total and non-embedding counts.
@@ -131,9 +132,9 @@ ARCHS = {
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_real_architectures_from_config_json_alone(name):
-    cfg = aot.model_config_of(ModelSource(path=str(ROOT / "configs" / "arch" / name)), "student")
+    cfg = arch.model_config_of(ModelSource(path=str(ROOT / "configs" / "arch" / name)), "student")
     total, non_embedding = ARCHS[name]
-    n = aot.param_count(cfg)
+    n = arch.param_count(cfg)
     if non_embedding is None:
         assert n == total
     else:
@@ -144,7 +145,7 @@ def test_real_architectures_from_config_json_alone(name):
 
 def test_missing_model_path_names_the_field(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"RunConfig\.teacher\.path: .*nope does not exist"):
-        aot.model_config_of(ModelSource(path=str(tmp_path / "nope")), "teacher")
+        arch.model_config_of(ModelSource(path=str(tmp_path / "nope")), "teacher")
 
 
 def test_real_configs_validate():
@@ -209,13 +210,13 @@ def test_tpu_topology():
     """The same machinery on a real TPU topology (libtpu describes v5e chips; nothing runs on them)."""
     pytest.importorskip("libtpu")
     with pytest.raises(ValueError, match="--topology v9z:1x1: not a TPU topology"):
-        aot.topology_devices("v9z:1x1")
-    devices = aot.topology_devices("v5e:2x2")
+        topology.topology_devices("v9z:1x1")
+    devices = topology.topology_devices("v5e:2x2")
     assert len(devices) == 4 and devices[0].device_kind == "TPU v5 lite"
-    assert aot.hbm_bytes_per_device(devices) == 16 * aot.GiB
+    assert topology.hbm_bytes_per_device(devices) == 16 * topology.GiB
     report = aot.compile_opd_step(tiny_cfg("mesh.data=1", "mesh.fsdp=4"), devices, target="v5e:2x2",
                                   stages=["weight_sync", "train_step"], progress=False)
-    assert report.hbm_per_device == 16 * aot.GiB and not report.failures()
+    assert report.hbm_per_device == 16 * topology.GiB and not report.failures()
     train = report.stages[1].memory
     # TPU pads small arrays to its (8, 128) tiles: the donated state takes at least its raw bytes.
     assert train.generated_code > 0 and train.alias >= report.buffers["train_state"]
@@ -229,8 +230,8 @@ def test_rl_baselines_lower_with_grouped_rows_and_advantages():
     from jopd.parallel import mesh as meshlib
 
     cfg = tiny_cfg("mesh.data=1", "mesh.fsdp=8", "loss.kind=grpo", "rl.group_size=2")
-    s_cfg = aot.model_config_of(cfg.student, "student")
-    programs, buffers = aot.stage_programs(cfg, s_cfg, (s_cfg,), meshlib.make_mesh(cfg.mesh))
+    s_cfg = arch.model_config_of(cfg.student, "student")
+    programs, buffers = stages.stage_programs(cfg, s_cfg, (s_cfg,), meshlib.make_mesh(cfg.mesh))
     with jax.set_mesh(meshlib.make_mesh(cfg.mesh)):
         lowered = programs["train_step"][0]()
     batch = lowered.args_info[0][1]  # (args, kwargs): args = (state, batch)
@@ -244,14 +245,14 @@ def test_rl_baselines_lower_with_grouped_rows_and_advantages():
 
 def test_chip_peaks_and_device_kinds():
     """The published per-chip peaks (bf16 dense FLOP/s, HBM bytes/s) and the device kinds that map to them."""
-    from jopd.opd import roofline
+    from jopd.sizing import roofline
 
     assert {k: (p.flops, p.hbm_bytes_per_s) for k, p in roofline.CHIP_PEAKS.items()} == {
         "v4": (275e12, 1200e9), "v5e": (197e12, 819e9), "v5p": (459e12, 2765e9), "v6e": (918e12, 1638e9)}
     assert all(p.source == f"https://cloud.google.com/tpu/docs/{k}" for k, p in roofline.CHIP_PEAKS.items())
-    assert {kind: roofline.chip_of(kind, aot.HBM_GIB_PER_CHIP) for kind in aot.HBM_GIB_PER_CHIP} == {
-        kind: chip for kind, (chip, _) in aot.HBM_GIB_PER_CHIP.items()}
-    assert roofline.chip_of("cpu", aot.HBM_GIB_PER_CHIP) is None
+    assert {kind: roofline.chip_of(kind, topology.HBM_GIB_PER_CHIP) for kind in topology.HBM_GIB_PER_CHIP} == {
+        kind: chip for kind, (chip, _) in topology.HBM_GIB_PER_CHIP.items()}
+    assert roofline.chip_of("cpu", topology.HBM_GIB_PER_CHIP) is None
     with pytest.raises(ValueError, match="roofline: no chip peaks for 'cpu'"):  # before any compile
         aot.compile_opd_step(tiny_cfg(), cost=True, progress=False)
 
@@ -259,7 +260,7 @@ def test_chip_peaks_and_device_kinds():
 def test_cost_of_matmul_programs_by_hand():
     """XLA's cost of one matmul is analytic; a scan of 10 counts one (why the cost programs are loop-free); fp32
     matmuls at HIGHEST add 5 bf16 MXU passes; the roofline is max(FLOPs / peak, bytes / bandwidth) per device."""
-    from jopd.opd import roofline
+    from jopd.sizing import roofline
 
     m, k, n = 64, 128, 256
     x, w = jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, n), jnp.float32)
@@ -285,7 +286,7 @@ def test_cost_of_matmul_programs_by_hand():
 def test_a_programs_own_loops_are_counted_and_a_cpu_scatter_expansion_is_not():
     """XLA:CPU's loop emitters (the suite's compile flags) turn a scatter into a while loop: not a loop of the
     program's (a TPU scatters natively), so the roofline does not count it; a scan is one."""
-    from jopd.opd.roofline import program_loops
+    from jopd.sizing.roofline import program_loops
 
     x, idx = jnp.zeros((16, 4)), jnp.array([1, 3, 3, 7])
     scatter = jax.jit(lambda x, i: x.at[i].add(1.0)).lower(x, idx).compile().as_text()
@@ -298,7 +299,7 @@ def test_a_programs_own_loops_are_counted_and_a_cpu_scatter_expansion_is_not():
 def test_roofline_arithmetic_by_hand():
     """Stage time = sum over its programs of runs x max(compute, HBM); step = sum of stages; tokens/s per chip and
     MFU from those, on made-up costs with round numbers."""
-    from jopd.opd.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost
+    from jopd.sizing.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost
 
     peak = CHIP_PEAKS["v5e"]
     f, b = peak.flops, peak.hbm_bytes_per_s  # 1 s of compute, 1 s of HBM traffic per device
@@ -354,7 +355,7 @@ def test_cost_programs_count_every_layer_chunk_and_token(costed):
     assert looped["sample"].loops >= 1 and prefill.cost.loops == decode.cost.loops == 0  # top_p=1: no bisection
     # teacher scoring: every layer, and the head of every response position (the second chunk from the one-layer
     # programs), exactly: the fp32 teacher's matmuls are all HIGHEST, so their FLOPs are the extra passes / 5
-    teacher = aot.model_config_of(cfg.teacher, "teacher")
+    teacher = arch.model_config_of(cfg.teacher, "teacher")
     scoring = cost["teacher_scoring"]
     assert [(p.name, p.count, p.derived) for p in scoring.parts] == [("forward", 1, False), ("chunk", 1, True)]
     dots = _fwd_dot_flops(teacher, B, P + N) + 2 * B * N * teacher.hidden_size * teacher.vocab_size
@@ -362,7 +363,7 @@ def test_cost_programs_count_every_layer_chunk_and_token(costed):
     assert dots / 8 < scoring.total("flops") < 1.1 * dots / 8  # XLA's count: the matmuls + elementwise work
     assert looped["teacher_scoring"].flops < 0.5 * scoring.total("flops")  # one layer and one chunk counted
     # the update: forward + backward + the layers' recompute (remat), every layer
-    student = aot.model_config_of(cfg.student, "student")
+    student = arch.model_config_of(cfg.student, "student")
     update = cost["train_step"]
     assert [(p.name, p.count) for p in update.parts] == [("update", 1), ("loss chunk", 1)]
     assert update.total("flops") > 3.5 * _fwd_dot_flops(student, B, P + N) / 8
@@ -391,9 +392,9 @@ def test_cost_programs_equal_a_loop_free_real_step():
 def test_model_flops_and_json(costed):
     cfg, report = costed
     r = report.roofline
-    s, t = aot.model_config_of(cfg.student, "student"), aot.model_config_of(cfg.teacher, "teacher")
+    s, t = arch.model_config_of(cfg.student, "student"), arch.model_config_of(cfg.teacher, "teacher")
     head = lambda m: m.hidden_size * m.vocab_size  # noqa: E731
-    layers = lambda m: aot.param_count(m) - head(m) * (1 if m.tie_word_embeddings else 2) - m.hidden_size  # noqa: E731
+    layers = lambda m: arch.param_count(m) - head(m) * (1 if m.tie_word_embeddings else 2) - m.hidden_size  # noqa: E731
     B, P, N = 8, 16, 8
     assert r.model_flops == {"weight_sync": 0.0, "sample": 2 * (layers(s) * (B * P + B * (N - 1)) + head(s) * B * N),
                              "teacher_scoring": 2 * (layers(t) * B * (P + N) + head(t) * B * N),
@@ -484,7 +485,7 @@ def test_each_teacher_is_sized_by_its_placement():
 
     cfg = _two_teachers(("a", ""), ("b", ", placement: replicated"), 32, "mesh.data=1", "mesh.fsdp=8")
     report = aot.compile_opd_step(cfg, stages=["teacher_scoring"], progress=False)
-    t_cfg = aot.model_config_of(cfg.teachers[0], "teachers[0]")
+    t_cfg = arch.model_config_of(cfg.teachers[0], "teachers[0]")
     shapes = transformer.abstract_params(t_cfg)
     whole = sum(x.size * 4 for x in jax.tree.leaves(shapes))
     fsdp = meshlib.sharded_bytes_per_device(shapes, meshlib.param_shardings(t_cfg, meshlib.make_mesh(cfg.mesh),

@@ -17,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jopd.opd.checkpoint import CheckpointConfig, Checkpointer, PreemptionGuard
+from jopd.run.checkpoint import CheckpointConfig, Checkpointer, PreemptionGuard
 from tests.helpers.xla_test_flags import FAST_COMPILE
 from jopd.config_dataclass import ConfigError, build
 from jopd.data import DataConfig, build_toy_tokenizer, train_iterator

@@ -21,15 +21,15 @@ from tqdm.auto import tqdm
 from jopd.data.pipeline import train_iterator
 from jopd.data.toy_tokenizer import special_token_ids
 from jopd.losses.compute import per_task_means
-from jopd.opd.checkpoint import Checkpointer, PreemptionGuard
-from jopd.opd.evaluate import compare_table, evaluate_heldout
-from jopd.opd.guards import RunGuard, loggable
-from jopd.opd.metrics_log import MetricsWriter, plot_curves
+from jopd.run.checkpoint import Checkpointer, PreemptionGuard
+from jopd.run.evaluate import compare_table, evaluate_heldout
+from jopd.run.guards import RunGuard, loggable
+from jopd.run.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.cross_teacher import misaligned_summary
 from jopd.opd import validate
-from jopd.opd.model_sources import (cross_teachers, get_model, get_teachers, precheck_sources,
+from jopd.run.model_sources import (cross_teachers, get_model, get_teachers, precheck_sources,
                                    run_tokenizer, teacher_tokenizers)
-from jopd.opd.run_config import RunConfig, to_yaml
+from jopd.run.config import RunConfig, to_yaml
 from jopd.opd.step import OPDStep, build_step
 from jopd.opd.train_state import TrainState
 from jopd.parallel import mesh as meshlib

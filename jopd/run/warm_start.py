@@ -27,7 +27,7 @@ from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd.optim import OptimConfig, make_optimizer
-from jopd.opd.run_config import ModelSource, RunConfig, WarmStartConfig
+from jopd.run.config import ModelSource, RunConfig, WarmStartConfig
 from jopd.opd.student_loss import sft_loss_fn
 from jopd.opd.train_state import init_train_state, make_train_step
 

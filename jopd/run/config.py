@@ -15,8 +15,8 @@ import pydantic
 import yaml
 
 from jopd import registry
-from jopd.opd.checkpoint import CheckpointConfig
-from jopd.opd.guards import GuardConfig
+from jopd.run.checkpoint import CheckpointConfig
+from jopd.run.guards import GuardConfig
 from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yaml_mapping
 from jopd.data.pipeline import DataConfig
 from jopd.losses import LossConfig, RLConfig

@@ -13,11 +13,11 @@ from jopd.models import io
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.models.families import FAMILIES
-from jopd.opd import warm_start
+from jopd.run import warm_start
 from jopd.data.mixture import task_sources
 from jopd.data.pipeline import DataConfig
 from jopd.data.tasks import TASKS
-from jopd.opd.run_config import ModelSource, RunConfig, TeacherSource
+from jopd.run.config import ModelSource, RunConfig, TeacherSource
 from jopd.opd.validate import check_compatible, check_models
 
 

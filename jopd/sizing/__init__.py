@@ -1,0 +1,1 @@
+"""jopd.sizing"""

@@ -1,0 +1,116 @@
+"""`jopd aot`: ahead-of-time compile of one OPD step for a device topology, with per-device memory: size a TPU
+pod run before paying for it.
+
+Each jitted stage of the step (weight sync, sampler, teacher scoring, train step: `opd.step.build_step`, the very
+functions `jopd train`'s loop calls) is lowered from abstract inputs (`sizing.stages`) and compiled for the target
+devices: a TPU topology described by libtpu (`sizing.topology.topology_devices("v5e:4x4")`, from any machine, no
+TPU needed) or the local devices; the models come from metadata only (`sizing.arch`).
+
+XLA's `memory_analysis()` gives each program's per-device bytes (arguments, outputs, aliased, temporaries,
+generated code). While one stage runs, buffers owned by the others stay alive (the train state while
+sampling, the teacher while training, the kept KV cache, ...); `resident` adds those, from shapes and
+shardings, so `peak = total + resident` is what must fit in the device's HBM (`sizing.report`).
+
+With `cost=True` it also predicts the step's time on the chip (`sizing.cost`, `sizing.roofline`): XLA's
+`cost_analysis()` counts a loop body once, so the FLOPs and bytes come from loop-free cost programs lowered with
+the same shardings, each multiplied by how often the real stage runs it; the memory report stays the real,
+looped programs'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from tqdm.auto import tqdm
+
+from jopd import parallel as meshlib
+from jopd.opd import validate
+from jopd.opd.resolve import rollouts_per_prompt
+from jopd.opd.step import build_step
+from jopd.run.config import RunConfig
+from jopd.sizing.cost import predict_step
+from jopd.sizing.arch import cross_tokenizers, model_config_of, param_count, sizing_crosses
+from jopd.sizing.report import AotReport, StageMemory, StageReport
+from jopd.sizing.roofline import Cost
+from jopd.sizing.stages import (
+    bytes_per_device,
+    compile_stage,
+    programs_of,
+    step_inputs,
+)
+from jopd.sizing.topology import (
+    chip_name,
+    devices_per_chip,
+    hbm_bytes_per_device,
+)
+
+STAGES: tuple[str, ...] = ("weight_sync", "sample", "teacher_scoring", "train_step")
+
+
+def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, target: str = "local",
+                     stages: Sequence[str] = STAGES, hbm_bytes: int | None = None,
+                     progress: bool = True, cost: bool = False, chip: str | None = None) -> AotReport:
+    """Compile the requested stages of one OPD step of `cfg` for `devices` (default: the local devices) and
+    report per-device memory. `hbm_bytes` overrides the HBM budget per device (default: `HBM_GIB_PER_CHIP`).
+    `cost`: also compile the cost programs and predict the step's time on `chip` (default: the devices' chip,
+    `roofline.CHIP_PEAKS`)."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"stages: unknown {unknown} (choose from {', '.join(STAGES)})")
+    devices = list(jax.devices() if devices is None else devices)
+    chip = chip_name(devices, chip) if cost else None  # before any compile: an unknown chip fails fast
+    crossed = cfg.loss.cross_tokenizer != "off"
+    roles = list(zip(cfg.teacher_roles(), cfg.teacher_sources()))
+    s_tok, t_toks = cross_tokenizers(cfg) if crossed else (None, (None,) * len(roles))
+    s_cfg = model_config_of(cfg.student, "student", s_tok)
+    t_cfgs = tuple(model_config_of(src, role, tok) for (role, src), tok in zip(roles, t_toks))
+    cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else (None,) * len(roles)
+    own_tok = cross  # None: the student's vocabulary
+    # the vocabularies and the contexts, as `jopd train` checks them
+    validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))
+    mesh = meshlib.make_mesh(cfg.mesh, devices)
+    step = build_step(cfg, s_cfg, t_cfgs, mesh, cross=cross)
+    inputs = step_inputs(step)
+    programs, buffers = programs_of(step, inputs)
+
+    reports = []
+    bar = tqdm([s for s in STAGES if s in stages], desc=f"AOT compile ({target})", disable=not progress,
+               dynamic_ncols=True, leave=False)
+    for name in bar:
+        bar.set_postfix_str(name)
+        lower, resident = programs[name]
+        with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
+            compiled, secs, error = compile_stage(name, lower)
+        reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
+                                   error, None if compiled is None else Cost.of(compiled)))
+
+    models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
+                     "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
+                     "vocab": m.vocab_size}
+              for role, m, src in [("student", s_cfg, cfg.student)]
+              + [(t.name, m, t) for t, m in zip(cfg.teacher_sources(), t_cfgs)]}
+    # each teacher's parameters per device under its `placement` (held all run long: in `teacher_params`)
+    for name, src, params in zip(list(models)[1:], cfg.teacher_sources(), inputs.teacher):
+        models[name] |= {"placement": src.placement, "bytes_per_device": bytes_per_device(params)}
+    shapes = {"batch": cfg.data.batch_size * rollouts_per_prompt(cfg), "prompt_len": cfg.data.max_prompt_len,
+              "new_tokens": cfg.sampling.max_new_tokens, "top_k": cfg.loss.top_k,
+              "grad_accum_steps": cfg.optim.grad_accum_steps, "remat": int(cfg.train.remat)}
+    if crossed:  # the projection tables' sparse entries: from the tokenizers, or estimated without them
+        shapes["cross_tokenizer"] = cfg.loss.cross_tokenizer
+        pairs = {name: f"{c.table.pair_student_E.shape[0]}" + ("" if c.pair is not None else " (estimated: no "
+                                                                                               "tokenizer)")
+                 for name, c in zip(list(models)[1:], own_tok) if c is not None}
+        if pairs:
+            shapes["xtok_pairs"] = next(iter(pairs.values())) if not cfg.teachers else \
+                ", ".join(f"{k}: {v}" for k, v in pairs.items())
+    roofline = None
+    if chip is not None:
+        roofline = predict_step(step, inputs, reports, chip, len(devices), devices_per_chip(devices),
+                                progress=progress)
+    return AotReport(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
+                     devices_per_chip=devices_per_chip(devices),
+                     hbm_per_device=hbm_bytes if hbm_bytes is not None else hbm_bytes_per_device(devices),
+                     mesh=dict(mesh.shape), models=models, shapes=shapes, buffers=buffers, stages=reports,
+                     roofline=roofline)
