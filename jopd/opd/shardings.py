@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
+from jopd.opd.resolve import rollouts_per_prompt
 from jopd.opd.rewards import RLTrainState
 from jopd.opd.train_state import TrainState, opt_state_shardings
 from jopd import parallel as meshlib
