@@ -1,1 +1,2 @@
-"""The OPD step and its run: config, batch, teacher scoring, the step, the loop, models, evaluation, checkpoints."""
+"""The OPD step and its stages: rollout (weight sync + sampler), teacher scoring, the update; their shardings,
+the run's checks (`validate`) and what the step derives from the config (`resolve`)."""
