@@ -176,7 +176,7 @@ def test_a_pair_that_cannot_align_is_refused_before_any_compute(tmp_path):
     with pytest.raises(ValueError, match=r"loss.cross_tokenizer=dense: runs xtok_dense .* got loss.kind=rkl"):
         build_step(load_config(None, BASE + ["loss.cross_tokenizer=dense", "loss.kind=rkl"]), None, None, None)
     with pytest.raises(ValueError, match=r"loss.kind=rkl: needs a teacher of the student's vocabulary"):
-        build_step(load_config(None, BASE + ["loss.kind=rkl"]), None, None, None, cross=object())
+        build_step(load_config(None, BASE + ["loss.kind=rkl"]), None, None, None, cross=(object(),))
     with pytest.raises(ValueError, match=r"loss.kind=xtok_dense: scores a teacher with another tokenizer and needs"):
         build_step(load_config(None, BASE + ["loss.kind=xtok_dense"]), None, None, None)
     with pytest.raises(ValueError, match=r"vocab mismatch: .* set loss.kind=xtok_dense or xtok_sampled"):
