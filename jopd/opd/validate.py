@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jopd.config_dataclass import ConfigError
 from jopd.data.mixture import task_sources
@@ -139,7 +139,7 @@ def check_models(cfg: "RunConfig", student: "ModelConfig | None", teachers: Sequ
     """The models against each other and the run's lengths, from their configs (None: not known yet, e.g. a
     testbed model whose vocabulary the tokenizer sets; its `arch` still gives its context). `own_tokenizer[i]`:
     teacher i scores its own tokenization (a cross-tokenizer kind), else the student's tokens."""
-    roles = _teacher_roles(cfg)
+    roles = list(zip(cfg.teacher_roles(), cfg.teacher_sources()))  # (how errors name each, its source)
     crossed = cfg.loss.cross_tokenizer != "off"
     if student is not None:
         for (role, _), t_cfg, own in zip(roles, teachers, own_tokenizer):
@@ -171,11 +171,6 @@ def own_tokenizers(cross, teachers: int) -> tuple[bool, ...]:
     """Whether each teacher scores its own tokenization, from `cross_teachers`' answer (one entry per teacher, None
     for a teacher that scores the student's tokens)."""
     return (False,) * teachers if cross is None else tuple(c is not None for c in cross)
-
-
-def _teacher_roles(cfg: "RunConfig") -> list[tuple[str, Any]]:
-    """(how errors name each teacher, its source), in `teacher_sources` order."""
-    return [(f"teachers[{i}]" if cfg.teachers else "teacher", src) for i, src in enumerate(cfg.teacher_sources())]
 
 
 # -- the step's arguments -------------------------------------------------------------------------------------
