@@ -20,7 +20,6 @@ from jopd.runtime.xla_flags import apply_cpu_defaults  # noqa: E402
 apply_cpu_defaults()  # jopd's XLA:CPU defaults, as the CLI runs with
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jopd.data.chat import user_prompt_ids  # noqa: E402

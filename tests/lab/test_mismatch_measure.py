@@ -2,7 +2,6 @@
 engines, the exact KL under logit noise against a numpy Monte-Carlo estimate of E[KL], estimators' signs, the
 bootstrap CI against scipy, and the command end to end on the smoke config."""
 
-import dataclasses
 import json
 
 import jax
@@ -13,7 +12,6 @@ from scipy import special, stats
 from jopd import cli
 from jopd.lab import mismatch as measure
 from jopd.lab.position_kl import position_mismatch
-from jopd.losses import LossConfig
 from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import sequence_layout

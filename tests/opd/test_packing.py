@@ -2,7 +2,6 @@
 once, the packed forward equals the padded one, and for every loss kind that reads per-token fields the loss,
 its metrics and its gradient equal the padded step's (also sharded over 8 devices)."""
 
-import dataclasses
 
 import jax
 import numpy as np

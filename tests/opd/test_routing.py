@@ -12,7 +12,6 @@ import pytest
 from jopd.data.mixture import task_sources
 from jopd.run.evaluate import heldout_divergence_B, mixture_divergence_BxN, teacher_divergence_BxN
 from jopd.opd.routing import Routing, resolve_routing, row_teachers
-from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
 from tests.helpers.tiny_params import numpy_params

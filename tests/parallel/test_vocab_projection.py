@@ -8,7 +8,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jopd.losses import LossBatch, LossConfig, token_loss
-from jopd.models import transformer as tfm
 from jopd.models.config import ModelConfig
 from jopd.parallel import vocab_projection
 
