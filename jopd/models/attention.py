@@ -103,3 +103,12 @@ def _xla_cached(q, k_cache, v_cache, *, slot, kv_mask_BxS=None, dtype):
 
 
 ATTENTION.add("xla", Attention(causal=_xla_causal, cached=_xla_cached))
+
+
+# ---------------------------------------------------------------------------------------------
+# "chunked": blockwise online softmax, memory O(T·block) (`jopd.models.attention_chunked`; it does not import
+# this module, so registering it here makes no circle)
+
+from jopd.models.attention_chunked import chunked_cached, chunked_causal  # noqa: E402
+
+ATTENTION.add("chunked", Attention(causal=chunked_causal, cached=chunked_cached))
