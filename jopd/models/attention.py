@@ -109,6 +109,6 @@ ATTENTION.add("xla", Attention(causal=_xla_causal, cached=_xla_cached))
 # "chunked": blockwise online softmax, memory O(T·block) (`jopd.models.attention_chunked`; it does not import
 # this module, so registering it here makes no circle)
 
-from jopd.models.attention_chunked import chunked_cached, chunked_causal  # noqa: E402
+from jopd.models.attention_chunked import chunked_cached, chunked_causal
 
 ATTENTION.add("chunked", Attention(causal=chunked_causal, cached=chunked_cached))
