@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jopd.models.dtypes import matmul_precision
+
 LANES = 128  # the kernel's blocks are whole multiples of the TPU lane width
 BLOCKS = (512, 256, 128)  # the largest that divides the (rounded-up) length is used
 
@@ -42,7 +44,9 @@ def _kernel(T: int, H: int, interpret: bool):
     sizes = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     mask = sa.MultiHeadMask([sa.CausalMask((T, T))] * H)
-    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # Its mask tables become concrete arrays even when first built inside a trace (they are cached across traces).
+    with jax.ensure_compile_time_eval():
+        return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _splash(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT, *, interpret: bool):
@@ -50,8 +54,27 @@ def _splash(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT, *, interpret: bool):
 
     _, H, T, _ = q_BxHxTxDh.shape
     kernel = _kernel(T, H, interpret)
-    row = lambda q, k, v, s: kernel(q, k, v, SegmentIds(q=s, kv=s))
-    return jax.vmap(row)(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT)
+    attend = jax.vmap(lambda q, k, v, s: kernel(q, k, v, SegmentIds(q=s, kv=s)))
+    # The kernel's dots take the default matmul precision, which should be the compute dtype's (fp32: HIGHEST),
+    # not a global setting (HIGHEST on bf16 operands is a Mosaic compile error). The backward kernels are traced
+    # when the gradient is, outside any `with` here: hence the vjp of our own that enters it on both passes.
+    precision = matmul_precision(q_BxHxTxDh.dtype).name.lower()
+
+    @jax.custom_vjp
+    def run(q, k, v, seg):
+        with jax.default_matmul_precision(precision):
+            return attend(q, k, v, seg)
+
+    def fwd(q, k, v, seg):
+        with jax.default_matmul_precision(precision):
+            return jax.vjp(lambda q_, k_, v_: attend(q_, k_, v_, seg), q, k, v)
+
+    def bwd(pullback, dout):
+        with jax.default_matmul_precision(precision):
+            return (*pullback(dout), None)  # no gradient for the integer segment ids
+
+    run.defvjp(fwd, bwd)
+    return run(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT)
 
 
 def splash_causal(q_BxTxHxDh: Float[Array, "B T H Dh"], k_BxKxTxDh: Float[Array, "B K T Dh"],
