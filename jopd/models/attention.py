@@ -105,7 +105,8 @@ def _xla_cached(q, k_cache, v_cache, *, slot, kv_mask_BxS=None, dtype):
 ATTENTION.add("xla", Attention(causal=_xla_causal, cached=_xla_cached))
 
 
-# "splash": Pallas TPU splash attention for the causal call (its own module; no decode kernel yet)
-from jopd.models.attention_splash import splash_cached, splash_causal  # noqa: E402  (after the registry)
+# "splash": Pallas TPU splash attention for the causal call (its own module, which does not import this one:
+# no import circle; no decode kernel yet)
+from jopd.models.attention_splash import splash_cached, splash_causal
 
 ATTENTION.add("splash", Attention(causal=splash_causal, cached=splash_cached))

@@ -81,7 +81,7 @@ def splash_causal(q_BxTxHxDh: Float[Array, "B T H Dh"], k_BxKxTxDh: Float[Array,
                   v_BxKxTxDh: Float[Array, "B K T Dh"], *, mask_BxT: Bool[Array, "B T"],
                   segment_ids_BxT: Int[Array, "B T"] | None = None, dtype) -> Float[Array, "B T H Dh"]:
     """`Attention.causal` by the splash kernel (see the module docstring); T is rounded up to a whole block."""
-    B, T, H, Dh = q_BxTxHxDh.shape
+    B, T, _, Dh = q_BxTxHxDh.shape
     seg_BxT = (jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None
                else jnp.asarray(segment_ids_BxT, jnp.int32))
     pad_id = jnp.min(seg_BxT) - 1  # below every real id
