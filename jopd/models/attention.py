@@ -106,9 +106,12 @@ ATTENTION.add("xla", Attention(causal=_xla_causal, cached=_xla_cached))
 
 
 # ---------------------------------------------------------------------------------------------
-# "chunked": blockwise online softmax, memory O(T·block) (`jopd.models.attention_chunked`; it does not import
-# this module, so registering it here makes no circle)
+# the other entries live in their own modules, which do not import this one (registering them here makes no circle):
+# "chunked", blockwise online softmax, memory O(T·block); "splash", Pallas TPU splash attention for the causal call
+# (no decode kernel yet)
 
-from jopd.models.attention_chunked import chunked_cached, chunked_causal
+from jopd.models.attention_chunked import chunked_cached, chunked_causal  # noqa: E402
+from jopd.models.attention_splash import splash_cached, splash_causal  # noqa: E402
 
 ATTENTION.add("chunked", Attention(causal=chunked_causal, cached=chunked_cached))
+ATTENTION.add("splash", Attention(causal=splash_causal, cached=splash_cached))
