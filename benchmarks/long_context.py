@@ -155,7 +155,7 @@ def _cell(rec: dict, what: str) -> str:
     return f"{rec['seconds']:.3f}" if what == "s" else f"{rec['seconds'] * 1e3:.2f}"
 
 
-def _ratio(a: dict, b: dict, key: str, scale: float = 1.0) -> str:
+def _ratio(a: dict, b: dict, key: str) -> str:
     if key in a and key in b and b[key]:
         return f"{a[key] / b[key]:.2f}x"
     return "-"
