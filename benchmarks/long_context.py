@@ -203,11 +203,8 @@ def targets(results: dict) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: {path.name} not drawn", file=sys.stderr)
-        return
+    import matplotlib  # a base dependency of jopd
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

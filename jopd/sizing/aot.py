@@ -67,7 +67,6 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     s_cfg = model_config_of(cfg.student, "student", s_tok)
     t_cfgs = tuple(model_config_of(src, role, tok) for (role, src), tok in zip(roles, t_toks))
     cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else (None,) * len(roles)
-    own_tok = cross  # None: the student's vocabulary
     # the vocabularies and the contexts, as `jopd train` checks them
     validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))
     mesh = meshlib.make_mesh(cfg.mesh, devices)
@@ -101,7 +100,7 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         shapes["cross_tokenizer"] = cfg.loss.cross_tokenizer
         pairs = {name: f"{c.table.pair_student_E.shape[0]}" + ("" if c.pair is not None else " (estimated: no "
                                                                                                "tokenizer)")
-                 for name, c in zip(list(models)[1:], own_tok) if c is not None}
+                 for name, c in zip(list(models)[1:], cross) if c is not None}
         if pairs:
             shapes["xtok_pairs"] = next(iter(pairs.values())) if not cfg.teachers else \
                 ", ".join(f"{k}: {v}" for k, v in pairs.items())
