@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jopd.models import transformer
+from jopd.models import attention_decode, transformer
 from jopd.models.attention import ATTENTION
-from jopd.models import attention_decode
 from jopd.models.attention_decode import decode_cached
 from jopd.models.config import ModelConfig
 
