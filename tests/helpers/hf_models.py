@@ -27,6 +27,10 @@ CASES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=20000.0, tie_word_embeddings=False)),
     "qwen3_tied": (transformers.Qwen3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True)),
+    # every layer sparse (as released Qwen3-MoE checkpoints are): 8 experts, top-2, unnormalized gate weights
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e6, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False)),
 }
 
 
