@@ -182,3 +182,29 @@ def test_expert_config_reads_writes_and_refuses():
         ModelConfig(family="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8)
     with pytest.raises(ValueError, match=r"^m: use_sliding_window=true is not supported$"):
         ModelConfig.from_hf_dict({**hf, "use_sliding_window": True}, source="m")
+
+
+@pytest.mark.parametrize("mlp_only_layers", [(), (1,)])
+def test_int8_rollout_weights_quantize_each_expert_and_keep_the_router(mlp_only_layers):
+    """The rollout engine's simulated int8 weights: each expert's matrices get one scale per output channel (numpy
+    reference), stacked or per-layer (a mixed schedule) alike; the router stays exact."""
+    from jopd.sampling.precision import prepare_sampler_params
+
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=11, hidden_size=8, intermediate_size=6, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=4, qk_norm=True, num_experts=3, num_experts_per_tok=2,
+                      moe_intermediate_size=5, mlp_only_layers=mlp_only_layers)
+    params = numpy_params(cfg, seed=1, std=0.3)
+    quantized = prepare_sampler_params(params, PrecisionConfig(weight_quant="int8"))
+    layers = params["layers"] if mlp_only_layers else [jax.tree.map(lambda a, i=i: a[i], params["layers"])
+                                                       for i in range(cfg.num_layers)]
+    q_layers = quantized["layers"] if mlp_only_layers else [jax.tree.map(lambda a, i=i: a[i], quantized["layers"])
+                                                            for i in range(cfg.num_layers)]
+    assert sum("router" in lp for lp in layers) == len(cfg.sparse_layers) > 0
+    for lp, qp in zip(layers, q_layers):
+        if "router" not in lp:
+            continue
+        np.testing.assert_array_equal(qp["router"], lp["router"])
+        for name in ("expert_gate", "expert_up", "expert_down"):
+            w = np.asarray(lp[name], np.float64)  # [E, in, out]
+            scale = np.abs(w).max(axis=1, keepdims=True) / 127.0
+            np.testing.assert_allclose(qp[name], np.round(w / scale) * scale, rtol=1e-5, atol=1e-7)
