@@ -101,7 +101,8 @@ def measure(run, state, batches: Iterable[dict[str, np.ndarray]], *, first_step:
     step = run.step
     if not step.sampler.sampling.return_full_logprobs:
         raise ValueError("mismatch: needs train.mismatch=exact (the sampler's full log-softmax)")
-    fn = jax.jit(functools.partial(position_mismatch, model_cfg=step.student_cfg,
+    # the trainer side in the update's own compute dtype (`train.compute_dtype`): the mismatch the update sees
+    fn = jax.jit(functools.partial(position_mismatch, model_cfg=step.student_cfg, dtype=step.compute_dtype,
                                    temperature=run.cfg.sampling.temperature, chunk=step.loss_cfg.chunk_size))
     t0 = time.perf_counter()
     sums: list[dict[str, np.ndarray]] = []

@@ -40,16 +40,19 @@ def trainer_response_logits(logits_fn: Callable[[np.ndarray, np.ndarray], jax.Ar
 
 
 def position_mismatch(params, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"], sample: SampleOutput,
-                      *, model_cfg: ModelConfig, temperature: float, chunk: int = 128) -> dict[str, jax.Array]:
+                      *, model_cfg: ModelConfig, temperature: float, chunk: int = 128, dtype=jnp.float32
+                      ) -> dict[str, jax.Array]:
     """Per response position, the trainer's view of a rollout: exact KL(sampler ‖ trainer) over the full
     vocabulary (`exact_kl_BxT`; needs the sampler's full log-softmax, `SamplingConfig.return_full_logprobs`)
     and the trainer's log-prob of the sampled token, from the trainer's forward over prompt + response
-    (projected chunk by chunk). Returns {"exact_kl_BxN", "trainer_logprobs_BxN", "response_mask_BxN"}."""
+    (projected chunk by chunk). `dtype`: the trainer's compute dtype (`OPDStep.compute_dtype`): the forward and
+    the head run as in the update, so the trainer side is the distribution the update differentiates.
+    Returns {"exact_kl_BxN", "trainer_logprobs_BxN", "response_mask_BxN"}."""
     if sample.full_logprobs_BxNxV is None:
         raise ValueError("position_mismatch: the sample has no full log-softmax (sample with return_full_logprobs)")
     layout = sequence_layout(prompt_BxP, prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
     N = layout.targets_BxN.shape[1]
-    hidden = transformer.response_hidden(params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N)
+    hidden = transformer.response_hidden(params, model_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N, dtype=dtype)
 
     def per_chunk(logits_BxCxV, inp):
         log_p = jax.nn.log_softmax(logits_BxCxV / temperature, axis=-1)
@@ -58,5 +61,6 @@ def position_mismatch(params, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bo
                 "trainer_logprobs_BxN": target}
 
     out = chunked_logits_map(per_chunk, params, hidden, {"log_q": sample.full_logprobs_BxNxV,
-                                                         "targets": layout.targets_BxN}, chunk, remat=False)
+                                                         "targets": layout.targets_BxN}, chunk, remat=False,
+                             dtype=dtype)
     return out | {"response_mask_BxN": layout.response_mask_BxN}

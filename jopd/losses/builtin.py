@@ -80,9 +80,10 @@ def _full(divergence):
     """A full-vocabulary divergence against the teacher's logits, projected from its hidden states by its head
     in this chunk only (scaled by the same temperature)."""
     def per_position(cfg, logits, inp):
-        head = jax.lax.stop_gradient(inp["teacher_head"])
-        # fp32, as scoring did; on a mesh, each chip projects onto its slice of V (no chip holds the whole head)
-        teacher = vocab_sharded_logits(head, inp["teacher_hidden_BxTxD"]) / cfg.temperature
+        head, hidden = jax.lax.stop_gradient(inp["teacher_head"]), inp["teacher_hidden_BxTxD"]
+        # in the dtype the scoring computed the hidden states in (`train.compute_dtype`; fp32 logits either way); on a
+        # mesh, each chip projects onto its slice of V (no chip holds the whole head)
+        teacher = vocab_sharded_logits(head, hidden, dtype=hidden.dtype) / cfg.temperature
         return {"divergence": divergence(cfg, logits, teacher)}
     return per_position
 

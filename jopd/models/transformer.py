@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jopd.models import moe
 from jopd.models.attention import attention_impl
 from jopd.models.config import ModelConfig
-from jopd.models.dtypes import matmul_precision
+from jopd.models.dtypes import matmul
 
 Params = dict[str, Any]
 KVCache = dict[str, tuple[jax.Array, ...]]  # {"k": L x [B,K,S,Dh], "v": L x [B,K,S,Dh]} (head-major: batched dots
@@ -200,12 +200,13 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
         slots_BxT = write_index[:, None] + jnp.arange(T)[None, :]
         return cache_BxKxSxDh.at[jnp.arange(B)[:, None], :, slots_BxT, :].set(new.transpose(0, 2, 1, 3))
 
-    prec = matmul_precision(dtype)
+    # every projection: operands in `dtype`, a narrow one accumulated in fp32 (`dtypes.matmul`); activations in `dtype`
+    mm = lambda spec, a, name: matmul(spec, a, lp[name], dtype=dtype)  # noqa: E731
     w = lambda name: lp[name].astype(dtype)  # noqa: E731
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhe->bthe", h, w("q"), precision=prec)
-    k = jnp.einsum("btd,dke->btke", h, w("k"), precision=prec)
-    v = jnp.einsum("btd,dke->btke", h, w("v"), precision=prec)
+    q = mm("btd,dhe->bthe", h, "q")
+    k = mm("btd,dke->btke", h, "k")
+    v = mm("btd,dke->btke", h, "v")
     if cfg.qkv_bias:
         q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
     if cfg.qk_norm:
@@ -220,14 +221,14 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
     else:
         k_all, v_all = k, v
     attn = attend(q, k_all, v_all)
-    x = x_BxTxD + jnp.einsum("bthe,hed->btd", attn, w("o"), precision=prec)
+    x = x_BxTxD + mm("bthe,hed->btd", attn, "o")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "router" in lp:  # a sparse layer (`ModelConfig.is_sparse`): the routed experts
         mlp_out, expert_ids = moe.sparse_mlp(cfg, lp, h, dtype)
     else:
-        gate = jnp.einsum("btd,df->btf", h, w("gate"), precision=prec)
-        up = jnp.einsum("btd,df->btf", h, w("up"), precision=prec)
-        mlp_out, expert_ids = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down"), precision=prec), None
+        gate = mm("btd,df->btf", h, "gate")
+        up = mm("btd,df->btf", h, "up")
+        mlp_out, expert_ids = mm("btf,fd->btd", jax.nn.silu(gate) * up, "down"), None
     return x + mlp_out, k_cache, v_cache, expert_ids
 
 
@@ -253,10 +254,9 @@ def lm_head_DxV(params: Params) -> jax.Array:
 
 def logits_from_hidden(params: Params, hidden_BxTxD: jax.Array, *, dtype=jnp.float32,
                        logits_dtype=jnp.float32) -> Float[Array, "B T V"]:
-    """Final projection; split out so losses can project in chunks over T (no full [B,T,V] kept)."""
-    out = jnp.einsum("btd,dv->btv", hidden_BxTxD.astype(dtype), lm_head_DxV(params).astype(dtype),
-                     precision=matmul_precision(dtype))
-    return out.astype(logits_dtype)
+    """Final projection; split out so losses can project in chunks over T (no full [B,T,V] kept). In a narrow
+    `dtype` the head's matmul accumulates in fp32 and the logits are rounded once, to `logits_dtype`."""
+    return matmul("btd,dv->btv", hidden_BxTxD, lm_head_DxV(params), dtype=dtype, out_dtype=logits_dtype)
 
 
 def logits_at_ids(params: Params, hidden_BxTxD: jax.Array, ids_BxTxK: Int[Array, "B T K"], *, dtype=jnp.float32,
@@ -268,8 +268,7 @@ def logits_at_ids(params: Params, hidden_BxTxD: jax.Array, ids_BxTxK: Int[Array,
         rows = jnp.take(params["lm_head"].T, ids, axis=0)  # [B,T,K,D]
     else:
         rows = params["embed"][ids]
-    out = jnp.einsum("btd,btkd->btk", hidden_BxTxD.astype(dtype), rows.astype(dtype), precision=matmul_precision(dtype))
-    return out.astype(logits_dtype)
+    return matmul("btd,btkd->btk", hidden_BxTxD, rows, dtype=dtype, out_dtype=logits_dtype)
 
 
 def positions_from_mask(attn_mask_BxT: jax.Array) -> jax.Array:

@@ -156,11 +156,12 @@ def misaligned_summary(reasons: list[str | None]) -> str:
     return "; ".join(f"{n} x {r}" for r, n in counts.most_common(3))
 
 
-def _teacher_hidden(teacher_params, teacher_cfg: ModelConfig, cross: CrossBatch) -> jax.Array:
+def _teacher_hidden(teacher_params, teacher_cfg: ModelConfig, cross: CrossBatch, dtype) -> jax.Array:
     """The teacher's final hidden states at every position of its prompt + response rows [B, Pt + Nt, D]."""
     tokens = jnp.concatenate([cross.prompt_BxPt, cross.tokens_BxNt], axis=1)
     mask = jnp.concatenate([cross.prompt_mask_BxPt, cross.mask_BxNt], axis=1)
-    hidden, _ = transformer.forward(teacher_params, tokens, cfg=teacher_cfg, attn_mask_BxT=mask, return_hidden=True)
+    hidden, _ = transformer.forward(teacher_params, tokens, cfg=teacher_cfg, attn_mask_BxT=mask, return_hidden=True,
+                                    dtype=dtype)
     return jax.lax.stop_gradient(hidden)
 
 
@@ -189,15 +190,18 @@ def same_vocab_fields(
     mode: str,
     temperature: float,
     chunk: int,
+    dtype=jnp.float32,
 ) -> dict[str, jax.Array]:
     """`cross_teacher_fields`' fields from a teacher of the student's own vocabulary, one of several teachers of a
     cross-tokenizer run (`opd.routing`): it scores the student's tokens as sampled, so every response token is its
     own aligned span (both sides sit at a token boundary after each token) and its distribution needs no
     projection. sampled: span k is token k, with the teacher's log p_t(y_k) (so `xtok_sampled` is `sampled_opd`
     with gamma = 0 on these rows); dense: every position is a span start, with the student's top-K ids and the
-    teacher's exact log-probs of them (`xtok_dense` is `topk_rkl_tail` on the student's top-K support)."""
+    teacher's exact log-probs of them (`xtok_dense` is `topk_rkl_tail` on the student's top-K support). `dtype`:
+    the teacher's compute dtype."""
     N = layout.targets_BxN.shape[1]
-    hidden = transformer.response_hidden(teacher_params, teacher_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N)
+    hidden = transformer.response_hidden(teacher_params, teacher_cfg, layout.tokens_BxS, layout.attn_mask_BxS, N,
+                                         dtype=dtype)
     head = jax.lax.stop_gradient(head_params(teacher_params))
     valid_BxN, pos_1xN = layout.response_mask_BxN, jnp.arange(N)[None]
     last_B1 = jnp.sum(valid_BxN, axis=1, keepdims=True) - 1
@@ -206,11 +210,12 @@ def same_vocab_fields(
            "end_span_BxT": valid_BxN & (pos_1xN == last_B1) & done_B[:, None]}
     if mode == "sampled":
         lp = chunked_logits_map(_ids_logprobs(temperature), head, hidden, {"ids": layout.targets_BxN[..., None]},
-                                chunk, remat=False)["lp"][..., 0]
+                                chunk, remat=False, dtype=dtype)["lp"][..., 0]
         out["span_teacher_logprobs_BxT"] = jnp.where(valid_BxN, lp, 0.0)
         return out
     support = student_topk_BxNxK.astype(jnp.int32)
-    lp = chunked_logits_map(_ids_logprobs(temperature), head, hidden, {"ids": support}, chunk, remat=False)["lp"]
+    lp = chunked_logits_map(_ids_logprobs(temperature), head, hidden, {"ids": support}, chunk, remat=False,
+                            dtype=dtype)["lp"]
     keep = _first_occurrence(support) & valid_BxN[..., None]
     out["teacher_topk_ids_BxTxK"] = jnp.where(valid_BxN[..., None], support, 0)
     out["teacher_topk_logprobs_BxTxK"] = jnp.where(keep, lp, 0.0)
@@ -220,12 +225,13 @@ def same_vocab_fields(
 
 
 def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, *, teacher_cfg: ModelConfig,
-                         table: crosstok.ProjectionTable, mode: str, temperature: float, chunk: int
-                         ) -> dict[str, jax.Array]:
+                         table: crosstok.ProjectionTable, mode: str, temperature: float, chunk: int,
+                         dtype=jnp.float32) -> dict[str, jax.Array]:
     """`LossBatch` fields in the student's response layout [B, N]: the span arrays and the teacher's per-span
-    log-probs (sampled), or the projected teacher log-probs at the span starts (dense)."""
+    log-probs (sampled), or the projected teacher log-probs at the span starts (dense). `dtype`: the teacher's
+    compute dtype (fp32 logits and log-softmax either way)."""
     Pt = cross.prompt_BxPt.shape[1]
-    hidden = _teacher_hidden(teacher_params, teacher_cfg, cross)
+    hidden = _teacher_hidden(teacher_params, teacher_cfg, cross, dtype)
     head = jax.lax.stop_gradient(head_params(teacher_params))
     out = {"span_id_BxT": cross.student_span_BxN, "span_mask_BxT": cross.span_mask_BxN,
            "end_span_BxT": cross.end_span_BxN}
@@ -233,7 +239,7 @@ def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, 
         # teacher position Pt + j - 1 predicts its response token j
         h_BxNtxD = hidden[:, Pt - 1:Pt - 1 + cross.tokens_BxNt.shape[1]]
         lp = chunked_logits_map(_ids_logprobs(temperature), head, h_BxNtxD, {"ids": cross.tokens_BxNt[..., None]},
-                                chunk, remat=False)["lp"][..., 0]
+                                chunk, remat=False, dtype=dtype)["lp"][..., 0]
         lp = jnp.where(cross.mask_BxNt, lp, 0.0)
         sums = span_sums(lp, cross.teacher_span_BxNt, cross.span_mask_BxN.shape[1])
         out["span_teacher_logprobs_BxT"] = jnp.where(cross.span_mask_BxN, sums, 0.0)
@@ -258,9 +264,9 @@ def cross_teacher_fields(teacher_params, cross: CrossBatch, student_topk_BxNxK, 
         return crosstok.project_extensions(lp, inp["last"], inp["ids"], inp["first"], table)._asdict()
 
     # two passes over the span starts, one [chunk, V_teacher] block of logits at a time each
-    now = chunked_logits_map(projected, head, hidden[rows, Pt - 1 + start], inputs, chunk, remat=False)
+    now = chunked_logits_map(projected, head, hidden[rows, Pt - 1 + start], inputs, chunk, remat=False, dtype=dtype)
     before = hidden[rows, jnp.maximum(Pt - 2 + start, 0)]  # predicts the last token (used where `back`)
-    ext = chunked_logits_map(extensions, head, before, inputs, chunk, remat=False)
+    ext = chunked_logits_map(extensions, head, before, inputs, chunk, remat=False, dtype=dtype)
     pi = crosstok.back_off(crosstok.Projected(**now), crosstok.Extensions(**ext), back).logprobs_PxK
     keep = first & jnp.isfinite(pi) & cross.span_mask_BxN[..., None]  # an id the teacher cannot express: tail
     # at the student position of each span start (scatter [B, K] -> [B, N]; K = N slots)

@@ -1,7 +1,7 @@
 """What the step takes from the run's config beyond its fields: the loss config resolved against the run (masks
 from the tokenizer, the sampler's temperature, the run's tasks), the rollouts per prompt, and the seeds of the
 sampler's per-row draws and of the weight noise (pure functions of (seed, step): what makes a resumed run
-bit-identical)."""
+bit-identical), and the compute dtypes of the update and the scoring (`train.compute_dtype`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import jax
 from jopd.data.mixture import task_sources
 from jopd.losses import LossConfig
 from jopd.losses.kinds import OBJECTIVES
+from jopd.models.dtypes import DTYPES
 from jopd.opd import validate
 
 if TYPE_CHECKING:  # the run's config is the layer above the step (jopd.run): annotations only
@@ -36,6 +37,19 @@ def rollouts_per_prompt(cfg: RunConfig) -> int:
     if OBJECTIVES[cfg.loss.kind].grouped:
         return cfg.rl.group_size
     return cfg.sampling.samples_per_prompt
+
+
+def student_compute_dtype(cfg: RunConfig):
+    """The dtype of the student's matmuls in the update, and so of the exact mismatch, measured on the update's own
+    logits, and of the frozen reference's scoring: `train.compute_dtype`, or bf16 for a bf16 student
+    (`student.dtype: bf16`: its params, and so its matmuls, are bf16 whatever `train.compute_dtype` says)."""
+    return DTYPES["bf16" if "bf16" in (cfg.student.dtype, cfg.train.compute_dtype) else "fp32"]
+
+
+def teacher_compute_dtype(cfg: RunConfig):
+    """The dtype of every teacher's scoring matmuls: `train.compute_dtype`, whatever a teacher is stored in (a
+    bf16-stored teacher under fp32 compute is upcast layer by layer, an fp32 one under bf16 cast down)."""
+    return DTYPES[cfg.train.compute_dtype]
 
 
 def resolve_loss_config(cfg: RunConfig, tokenizer) -> LossConfig:

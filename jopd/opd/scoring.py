@@ -55,29 +55,29 @@ def _shard_concat(parts: Sequence[jax.Array], shards: int) -> jax.Array:
 
 def routed_teacher_fields(teacher_params: tuple[Any, ...], layout: SequenceLayout, *,
                           teacher_cfgs: tuple[ModelConfig, ...], routing: Routing, loss_cfg: LossConfig,
-                          student_topk_ids_BxNxK=None, plan: PackPlan | None = None, cross: CrossRows
-                          ) -> dict[str, jax.Array]:
+                          student_topk_ids_BxNxK=None, plan: PackPlan | None = None, cross: CrossRows,
+                          dtype=jnp.float32) -> dict[str, jax.Array]:
     """The teachers' `LossBatch` fields (no gradient), each teacher on the rows `routing` gives it (see the module
     docstring). `plan` (packed sequences) only when one teacher scores every row. `cross` (read only with
     `loss.cross_tokenizer`): each teacher writes the cross kinds' fields for its rows, by the cross path or,
-    sharing the student's vocabulary, directly."""
+    sharing the student's vocabulary, directly. `dtype`: the teachers' compute dtype (`train.compute_dtype`)."""
     def fields(i, layout, topk, rows):  # teacher i on `rows` (a function of each [B, ...] input: its slice)
         if loss_cfg.cross_tokenizer == "off":
             return teacher_fields(teacher_params[i], layout, teacher_cfg=teacher_cfgs[i], loss_cfg=loss_cfg,
-                                  student_topk_ids_BxNxK=topk, plan=plan)
+                                  student_topk_ids_BxNxK=topk, plan=plan, dtype=dtype)
         if cross.tables[i] is None:
             return same_vocab_fields(teacher_params[i], layout, topk, rows(cross.done_B), teacher_cfg=teacher_cfgs[i],
                                      mode=loss_cfg.cross_tokenizer, temperature=loss_cfg.temperature,
-                                     chunk=loss_cfg.chunk_size)
+                                     chunk=loss_cfg.chunk_size, dtype=dtype)
         return cross_teacher_fields(teacher_params[i], jax.tree.map(rows, cross.batch), topk,
                                     teacher_cfg=teacher_cfgs[i], table=cross.tables[i], mode=loss_cfg.cross_tokenizer,
-                                    temperature=loss_cfg.temperature, chunk=loss_cfg.chunk_size)
+                                    temperature=loss_cfg.temperature, chunk=loss_cfg.chunk_size, dtype=dtype)
 
     if routing.sole_scorer is not None:  # one teacher scores every row: exactly its computation
         return fields(routing.sole_scorer, layout, student_topk_ids_BxNxK, lambda x: x)
     if routing.mode == "mixture":
         return _mixture_fields(teacher_params, layout, teacher_cfgs=teacher_cfgs, log_weights=routing.log_weights,
-                               loss_cfg=loss_cfg, student_topk_ids_BxNxK=student_topk_ids_BxNxK)
+                               loss_cfg=loss_cfg, student_topk_ids_BxNxK=student_topk_ids_BxNxK, dtype=dtype)
     S, outs, lo = routing.shards, [], 0
     for i, n in enumerate(routing.shard_rows):
         mine = lambda x, lo=lo, n=n: None if x is None else _shard_slice(x, S, lo, lo + n)  # noqa: E731
@@ -87,27 +87,29 @@ def routed_teacher_fields(teacher_params: tuple[Any, ...], layout: SequenceLayou
 
 
 def _mixture_fields(teacher_params, layout: SequenceLayout, *, teacher_cfgs, log_weights, loss_cfg: LossConfig,
-                    student_topk_ids_BxNxK=None) -> dict[str, jax.Array]:
-    hiddens = tuple(scored_hidden(p, c, layout, None) for p, c in zip(teacher_params, teacher_cfgs))
+                    student_topk_ids_BxNxK=None, dtype=jnp.float32) -> dict[str, jax.Array]:
+    hiddens = tuple(scored_hidden(p, c, layout, None, dtype=dtype) for p, c in zip(teacher_params, teacher_cfgs))
     return mixture_scores(hiddens, tuple(teacher_params), log_weights,
                           k=min(loss_cfg.top_k, teacher_cfgs[0].vocab_size), chunk=loss_cfg.chunk_size,
                           targets_BxT=layout.targets_BxN, temperature=loss_cfg.temperature,
-                          extra_ids_BxTxE=support_extra_ids(layout, student_topk_ids_BxNxK, loss_cfg))
+                          extra_ids_BxTxE=support_extra_ids(layout, student_topk_ids_BxNxK, loss_cfg), dtype=dtype)
 
 
 def score_rollout(teacher_params: tuple[Any, ...], rollout: RolloutArrays, reference_params=None, *,
                   teacher_cfgs: tuple[ModelConfig, ...], student_cfg: ModelConfig, loss_cfg: LossConfig,
-                  is_logprobs: str, dtype, routing: Routing, cross_tables: tuple[Any, ...]) -> TrainBatch:
+                  is_logprobs: str, dtype, routing: Routing, cross_tables: tuple[Any, ...],
+                  teacher_dtype=jnp.float32) -> TrainBatch:
     """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
     the response-aligned loss fields: the teachers', the sampler's log-probs, advantages, the reference's).
     `teacher_params`, `teacher_cfgs`, `cross_tables` (each teacher's projection table; None for a teacher of the
     student's vocabulary) hold one entry per teacher. With `rollout.plan` (`train.pack`), the sequences are
-    packed: the student's input is the packed rows."""
+    packed: the student's input is the packed rows. `dtype`: the student's compute dtype (the reference's scoring),
+    `teacher_dtype` the teachers' (`opd.resolve`)."""
     sample, plan = rollout.sample, rollout.plan
     layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
     teacher = routed_teacher_fields(teacher_params, layout, teacher_cfgs=teacher_cfgs, routing=routing,
                                     loss_cfg=loss_cfg, student_topk_ids_BxNxK=sample.topk_ids_BxNxK, plan=plan,
-                                    cross=CrossRows(rollout.cross, cross_tables, sample.done_B))
+                                    cross=CrossRows(rollout.cross, cross_tables, sample.done_B), dtype=teacher_dtype)
     # `train.is_logprobs` picks the sampler's log-probs that IS weights and GRPO's ratio divide by; the default,
     # unprocessed (temperature and noise, before top-p/top-k renormalization), is the same function of the
     # logits as the trainer's log-prob, so the ratio measures the engines' mismatch only (1 when they agree)

@@ -55,7 +55,8 @@ from jopd.opd import packing, rewards, routing as routinglib, validate
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
 from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sampler_full_logprobs
 from jopd.opd.optim import make_optimizer
-from jopd.opd.resolve import resolve_loss_config, rollout_seed, rollouts_per_prompt, weight_sync_key
+from jopd.opd.resolve import (resolve_loss_config, rollout_seed, rollouts_per_prompt, student_compute_dtype,
+                              teacher_compute_dtype, weight_sync_key)
 from jopd.opd.shardings import StepShardings, step_shardings
 from jopd.opd.rewards import RLTrainState
 from jopd.opd.student_loss import rollout_loss_fn
@@ -166,6 +167,12 @@ class OPDStep:
     def rollout_rows(self) -> int:
         """Rows of one step's global rollout batch."""
         return self.cfg.data.batch_size * self.rollouts_per_prompt
+
+    @property
+    def compute_dtype(self):
+        """The dtype of the student's matmuls in the update (`resolve.student_compute_dtype`): what the trainer's
+        side of a mismatch measurement computes in."""
+        return student_compute_dtype(self.cfg)
 
     @property
     def uses_reference(self) -> bool:
@@ -377,10 +384,11 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     precision = cfg.rollout_precision
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
-    dtype = DTYPES[cfg.student.dtype]
+    dtype = student_compute_dtype(cfg)  # fp32 master weights and moments (`student.dtype`), matmuls in this dtype
     tables = tuple(None if c is None else c.table for c in cross)
     score = functools.partial(score_rollout, teacher_cfgs=t_cfgs, student_cfg=s_cfg, loss_cfg=loss_cfg,
-                              is_logprobs=cfg.train.is_logprobs, dtype=dtype, routing=routing, cross_tables=tables)
+                              is_logprobs=cfg.train.is_logprobs, dtype=dtype, teacher_dtype=teacher_compute_dtype(cfg),
+                              routing=routing, cross_tables=tables)
     # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())

@@ -169,21 +169,22 @@ def _chunk(loss_cfg: LossConfig, layout: SequenceLayout, hidden, plan: PackPlan 
 
 
 def teacher_fields(teacher_params: Any, layout: SequenceLayout, *, teacher_cfg: ModelConfig,
-                   loss_cfg: LossConfig, student_topk_ids_BxNxK=None, plan: PackPlan | None = None
-                   ) -> dict[str, jax.Array]:
+                   loss_cfg: LossConfig, student_topk_ids_BxNxK=None, plan: PackPlan | None = None,
+                   dtype=jnp.float32) -> dict[str, jax.Array]:
     """`LossBatch` fields from the teacher (no gradient): teacher_topk_ids_BxTxK / _logprobs_BxTxK (the support:
     the teacher's top-K, plus the ids `loss.support` adds, with `support_mask_BxTxK`) and
     teacher_target_logprobs_BxT always, teacher_hidden_BxTxD when the loss kind needs them. Packed (`plan`):
     the teacher runs on the packed rows and the per-chunk fields come in the compact layout (the target
-    log-probs, read after the chunks, in the padded one)."""
-    hidden = scored_hidden(teacher_params, teacher_cfg, layout, plan)
+    log-probs, read after the chunks, in the padded one). `dtype`: the compute dtype of its forward and head (fp32
+    log-softmax either way)."""
+    hidden = scored_hidden(teacher_params, teacher_cfg, layout, plan, dtype=dtype)
     targets, extra = layout.targets_BxN, support_extra_ids(layout, student_topk_ids_BxNxK, loss_cfg)
     if plan is not None:
         targets = to_compact(targets, plan.compact)
         extra = None if extra is None else to_compact(extra, plan.compact)
     out = teacher_scores(hidden, teacher_params, k=min(loss_cfg.top_k, teacher_cfg.vocab_size),
                          chunk=_chunk(loss_cfg, layout, hidden, plan), targets_BxT=targets,
-                         temperature=loss_cfg.temperature, extra_ids_BxTxE=extra)
+                         temperature=loss_cfg.temperature, extra_ids_BxTxE=extra, dtype=dtype)
     if OBJECTIVES[loss_cfg.kind].needs_teacher_hidden:  # the loss projects them with the head, chunk by chunk
         out["teacher_hidden_BxTxD"] = hidden
     if plan is not None:  # what the kind does not read per chunk goes back to the padded layout

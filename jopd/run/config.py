@@ -120,6 +120,11 @@ class TrainConfig:
     probe_every: int = pydantic.Field(0, ge=0)
     probe_problems: int = pydantic.Field(64, ge=1)
     probe_samples: int = pydantic.Field(0, ge=0)  # seeded teacher continuations per prefix beside the greedy one
+    # The matmul dtype of the student's update and of the teachers' scoring (mixed precision: the master weights
+    # and optimizer state keep the models' `dtype`; bf16 matmuls accumulate in fp32, activations are bf16, the
+    # logits, log-softmax and loss fp32; `opd.resolve.compute_dtypes`). A bf16 student (`student.dtype`) computes
+    # in bf16 either way.
+    compute_dtype: Literal["fp32", "bf16"] = "fp32"
     mismatch: Literal["exact", "estimators"] = "exact"  # exact full-vocab KL needs [B,N,V] sampler logprobs
     is_logprobs: Literal["unprocessed", "processed"] = "unprocessed"  # sampler logprobs used for IS weights
     # Which response targets the loss masks. template_first: the tokens named in `template_tokens`, at their first

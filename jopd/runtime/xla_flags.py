@@ -6,6 +6,12 @@ own here, so jopd keeps YNNPACK for dots only (the measured effect: docs/perform
 benchmarks/opd_step.py and sampler.py measure it).
 Only the CPU backend reads these flags; a user's own setting of the same flag wins. Set JOPD_XLA_DEFAULTS=0
 to leave XLA_FLAGS alone.
+
+One numerics default (`NUMERICS_FLAGS`, read by every backend): a program rounds to a narrow dtype where it says
+so. XLA may otherwise keep excess precision (drop an f32 -> bf16 -> f32 round trip), and it does so differently in
+different programs (a fused decode step, the whole-sequence forward of the update), so a bf16 sampler and a bf16
+trainer running the same code would disagree (`train.compute_dtype`; docs/lab.md). fp32 programs hold no such
+round trip: they are unaffected.
 """
 
 from __future__ import annotations
@@ -29,10 +35,19 @@ def with_cpu_defaults(xla_flags: str, jaxlib_version: str = jaxlib.__version__) 
     return " ".join([xla_flags.strip(), *extra]).strip()
 
 
+NUMERICS_FLAGS = {"xla_allow_excess_precision": "false"}
+
+
+def with_numerics_defaults(xla_flags: str) -> str:
+    """`xla_flags` plus `NUMERICS_FLAGS` that it does not already set (a long-standing flag: every jaxlib)."""
+    extra = [f"--{k}={v}" for k, v in NUMERICS_FLAGS.items() if f"--{k}=" not in xla_flags]
+    return " ".join([xla_flags.strip(), *extra]).strip()
+
+
 def apply_cpu_defaults() -> None:
     """Add the defaults to the XLA_FLAGS environment variable, and apply the opt-in glibc malloc settings for
     XLA:CPU's buffers when JOPD_HOST_MALLOC=1 (`jopd.runtime.host_malloc`). Call before the first jax computation (the CPU backend reads XLA_FLAGS once, when it
     starts, and its threads take their malloc arena then); a later call has no effect on the running backend."""
     if os.environ.get("JOPD_XLA_DEFAULTS", "1") != "0":
-        os.environ["XLA_FLAGS"] = with_cpu_defaults(os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = with_numerics_defaults(with_cpu_defaults(os.environ.get("XLA_FLAGS", "")))
     tune_glibc_malloc()

@@ -24,6 +24,7 @@ from jopd import parallel as meshlib
 from jopd.sizing.report import StageReport
 from jopd.sizing.stages import StepInputs, abstract, compile_stage, kv_cache, step_inputs
 from jopd.opd.batch import scoring_input
+from jopd.opd.resolve import teacher_compute_dtype
 from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_cost
 from jopd.sizing.roofline import CHIP_PEAKS, F32_PASSES, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.run.config import RunConfig
@@ -276,11 +277,11 @@ def attention_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int
         costs.append((steps, decode_cost(step.student_cfg, ins.slots, Pl, N, jnp.dtype(precision.cache_dtype).itemsize,
                                          platform), precision.dtype))
     elif stage == "teacher_scoring":
-        for t_cfg, rows, src in zip(step.teacher_cfgs, teacher_rows(step), cfg.teacher_sources()):
-            dtype = jnp.bfloat16 if src.dtype == "bf16" else jnp.float32
+        dtype = teacher_compute_dtype(cfg)
+        for t_cfg, rows in zip(step.teacher_cfgs, teacher_rows(step)):
             costs.append((1, causal_cost(t_cfg, rows, T, jnp.dtype(dtype).itemsize, platform), dtype))
     elif stage == "train_step":
-        dtype = jnp.bfloat16 if cfg.student.dtype == "bf16" else jnp.float32
+        dtype = step.compute_dtype
         cost = causal_cost(step.student_cfg, B, T, jnp.dtype(dtype).itemsize, platform, train=True,
                            remat=cfg.train.remat)
         costs.append((cfg.rl.inner_updates, cost, dtype))
