@@ -11,8 +11,15 @@ dividing H (grouped-query attention: query head h reads kv head h // (H / K)). B
 
 Inputs are structural (a padding mask, segment ids, slot indices), never a prebuilt [B, T, S] mask, so an
 implementation may work blockwise and never materialize one. An implementation is one
-`ATTENTION.add(name, Attention(...))`; `transformer.forward(..., attention=name)` picks it. "xla" is plain
-einsum + softmax over the dense mask.
+`ATTENTION.add(name, Attention(...))`; a model's `ModelConfig.attention` (or `transformer.forward(..., attention=name)`)
+picks it. "xla" is plain einsum + softmax over the dense mask.
+
+"auto" (the default) picks per call, by the platform the program is lowered for and the length: on a TPU "splash"
+for the causal call; on a GPU "cudnn" when registered; elsewhere "xla" below `CPU_CHUNKED_FROM_T` tokens (the CPU
+testbed keeps today's numerics bit for bit) and "chunked" from there on, where it is also faster on CPU
+(benchmarks/long_context.py). The decode call stays "xla" below `CPU_CHUNKED_FROM_S` cache slots and "chunked"
+(tiles past every row's slot skipped) from there on. The platform is read at lowering (`lax.platform_dependent`),
+not from the host, so `jopd aot --topology v5e:...` on a CPU host compiles what a TPU would run.
 """
 
 from __future__ import annotations
@@ -41,11 +48,26 @@ class Attention:
 ATTENTION: Registry[Attention] = Registry("attention implementation")
 
 
+AUTO = "auto"
+CPU_CHUNKED_FROM_T = 1024  # causal calls this long or longer use "chunked" on CPU (and GPU without "cudnn")
+CPU_CHUNKED_FROM_S = 4096  # decode calls against a cache this long or longer likewise
+
+
+def check_attention_name(name: str) -> str:
+    """`name` if it is a registered implementation or "auto"; else one line naming them (a config field's check,
+    run when the config is built, so entries registered by plugins count)."""
+    if name != AUTO and name not in ATTENTION:
+        raise ValueError(f"{ATTENTION.unknown(name)} (or {AUTO!r})")
+    return name
+
+
 def attention_impl(name: str) -> Attention:
-    """The registered implementation `name`; an unknown name is one line listing the registered ones."""
-    if name not in ATTENTION:
-        raise ValueError(f"attention: {ATTENTION.unknown(name)}")
-    return ATTENTION[name]
+    """The registered implementation `name`, or the "auto" choice; an unknown name is one line listing them."""
+    try:
+        check_attention_name(name)
+    except ValueError as e:
+        raise ValueError(f"attention: {e}") from None
+    return AUTO_ATTENTION if name == AUTO else ATTENTION[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,3 +139,41 @@ from jopd.models.attention_cudnn import cudnn_cached, cudnn_causal  # noqa: E402
 ATTENTION.add("chunked", Attention(causal=chunked_causal, cached=chunked_cached))
 ATTENTION.add("splash", Attention(causal=splash_causal, cached=splash_cached))
 ATTENTION.add("cudnn", Attention(causal=cudnn_causal, cached=cudnn_cached))
+
+
+# ---------------------------------------------------------------------------------------------
+# "auto": one of the above per call, by the lowering platform and the length (module docstring)
+
+
+def auto_choice(call: str, length: int, platform: str) -> str:
+    """The entry "auto" runs for `call` ("causal": `length` = T tokens; "cached": `length` = S cache slots) on
+    `platform` ("tpu", "cuda", anything else)."""
+    long = length >= (CPU_CHUNKED_FROM_T if call == "causal" else CPU_CHUNKED_FROM_S)
+    plain = "chunked" if long else "xla"
+    if platform == "tpu":
+        return "splash" if call == "causal" else "chunked"
+    if platform == "cuda" and call == "causal" and "cudnn" in ATTENTION:
+        return "cudnn"
+    return plain
+
+
+def _auto(call: str, length: int, run: Callable[[str], jax.Array], operand: jax.Array) -> jax.Array:
+    names = {p: auto_choice(call, length, p) for p in ("tpu", "cuda", "cpu")}
+    if len(set(names.values())) == 1:
+        return run(names["cpu"])
+    # Only the branch of the platform lowered for is compiled; the others are traced (cheaply) and dropped.
+    return jax.lax.platform_dependent(operand, tpu=lambda _: run(names["tpu"]), cuda=lambda _: run(names["cuda"]),
+                                      default=lambda _: run(names["cpu"]))
+
+
+def _auto_causal(q, k, v, *, mask_BxT, segment_ids_BxT=None, dtype):
+    return _auto("causal", q.shape[1], lambda name: ATTENTION[name].causal(
+        q, k, v, mask_BxT=mask_BxT, segment_ids_BxT=segment_ids_BxT, dtype=dtype), q)
+
+
+def _auto_cached(q, k_cache, v_cache, *, slot, kv_mask_BxS=None, dtype):
+    return _auto("cached", k_cache.shape[2], lambda name: ATTENTION[name].cached(
+        q, k_cache, v_cache, slot=slot, kv_mask_BxS=kv_mask_BxS, dtype=dtype), q)
+
+
+AUTO_ATTENTION = Attention(causal=_auto_causal, cached=_auto_cached)  # not a registry entry: a choice among them

@@ -40,6 +40,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # Which attention implementation this model's forward runs (`jopd.models.attention`: a registered name or
+    # "auto"); how the model computes, not what it is: never written to config.json.
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -265,7 +265,7 @@ def forward(
     return_hidden: bool = False,
     remat: bool = False,
     segment_ids_BxT: Int[Array, "B T"] | None = None,
-    attention: str = "xla",
+    attention: str | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None).
 
@@ -280,8 +280,8 @@ def forward(
     only each layer's input [B,T,D], not its attention scores and MLP activations.
     `segment_ids_BxT` (no cache): packed rows, a token attends only within its own segment (pass the positions
     restarting at each segment, `opd.packing`).
-    `attention` names the implementation of the attention seam (`jopd.models.attention.ATTENTION`); the forward
-    hands it the structure (padding mask, segment ids, or the cache's slot index and kv mask), not a dense mask.
+    `attention` names the implementation of the attention seam (`jopd.models.attention.ATTENTION`, or "auto");
+    None: the model's own `cfg.attention`. The forward hands it the structure (padding mask, segment ids, or the cache's slot index and kv mask), not a dense mask.
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -290,7 +290,7 @@ def forward(
         positions_BxT = positions_from_mask(attn_mask_BxT)
     inv_freq = rope_inv_freq(cfg)
     x = constrain_batch(params["embed"].astype(dtype)[tokens_BxT])
-    impl = attention_impl(attention)
+    impl = attention_impl(cfg.attention if attention is None else attention)
     if cache is None:
         def attend(q, k, v):
             return impl.causal(q, k, v, mask_BxT=attn_mask_BxT, segment_ids_BxT=segment_ids_BxT, dtype=dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
@@ -20,6 +20,7 @@ from jopd.run.guards import GuardConfig
 from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yaml_mapping
 from jopd.data.pipeline import DataConfig
 from jopd.losses import LossConfig, RLConfig
+from jopd.models.attention import check_attention_name
 from jopd.models.families import FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
@@ -68,6 +69,10 @@ class ModelSource:
     arch: ArchConfig = ArchConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     dtype: Literal["fp32", "bf16"] = "fp32"  # params and compute dtype of this model in the trainer
+    # Its attention implementation (`jopd.models.attention`): "auto" picks by platform and length (xla at the
+    # testbed's lengths on CPU, chunked from 1k tokens, splash on a TPU), or a registered name (xla, chunked,
+    # splash, or a plugin's).
+    attention: Annotated[str, pydantic.AfterValidator(check_attention_name)] = "auto"
     # The model's tokenizer when it is not the checkpoint's own (an HF directory or .gguf); None: the
     # checkpoint's, or the toy tokenizer for a testbed model. A teacher's may differ from the student's with
     # a cross-tokenizer loss.kind (each of several teachers its own: one sharing the student's is scored directly).

@@ -104,6 +104,18 @@ def get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer, data: Data
               ) -> tuple[ModelConfig, Any, str]:
     """(model config, params, where it came from) for `role` in {teacher, student}. `data`: what its SFT warm
     start trains on (default: the run's data)."""
+    model_cfg, params, where = _get_model(role, src, cfg, tokenizer, data)
+    return with_attention(model_cfg, src), params, where
+
+
+def with_attention(model_cfg: ModelConfig, src: ModelSource) -> ModelConfig:
+    """The model as `src` runs it: its `attention` implementation (how it computes, not what it is: the SFT warm
+    start and its cache key do not depend on it)."""
+    return dataclasses.replace(model_cfg, attention=src.attention)
+
+
+def _get_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer, data: DataConfig | None
+               ) -> tuple[ModelConfig, Any, str]:
     dtype = DTYPES[src.dtype]
     data = cfg.data if data is None else data
     if src.path is not None:

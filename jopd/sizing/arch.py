@@ -19,6 +19,13 @@ from jopd.run.config import ModelSource, RunConfig
 
 
 def model_config_of(src: ModelSource, role: str, tokenizer=None) -> ModelConfig:
+    """`_architecture_of(src, ...)` as `src` runs it (its `attention`)."""
+    from jopd.run.model_sources import with_attention
+
+    return with_attention(_architecture_of(src, role, tokenizer), src)
+
+
+def _architecture_of(src: ModelSource, role: str, tokenizer=None) -> ModelConfig:
     """The architecture of a run's model from metadata only: an HF directory's `config.json` (weights need not
     be there: `configs/arch/<name>/` holds config-only directories of real models), a .gguf's metadata, or,
     for `path: null`, the testbed recipe (`arch` with `tokenizer`'s vocabulary; default the toy tokenizer's)."""
