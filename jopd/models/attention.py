@@ -14,12 +14,12 @@ implementation may work blockwise and never materialize one. An implementation i
 `ATTENTION.add(name, Attention(...))`; a model's `ModelConfig.attention` (or `transformer.forward(..., attention=name)`)
 picks it. "xla" is plain einsum + softmax over the dense mask.
 
-"auto" (the default) picks per call, by the platform the program is lowered for and the length: on a TPU "splash"
-for the causal call; on a GPU "cudnn" when registered; elsewhere "xla" below `CPU_CHUNKED_FROM_T` tokens (the CPU
-testbed keeps today's numerics bit for bit) and "chunked" from there on, where it is also faster on CPU
-(benchmarks/long_context.py). The decode call stays "xla" below `CPU_CHUNKED_FROM_S` cache slots and "chunked"
-(tiles past every row's slot skipped) from there on. The platform is read at lowering (`lax.platform_dependent`),
-not from the host, so `jopd aot --topology v5e:...` on a CPU host compiles what a TPU would run.
+"auto" (the default) picks per call, by the platform the program is lowered for and the length: on a TPU
+"splash" (its causal kernel and its decode kernel); on a GPU "cudnn" when registered; elsewhere "xla" below
+`CPU_CHUNKED_FROM_T` tokens (the CPU testbed keeps today's numerics bit for bit) and "chunked" from there on, where
+it is also faster on CPU (benchmarks/long_context.py). The decode call stays "xla" below `CPU_CHUNKED_FROM_S` cache
+slots and "chunked" (tiles past every row's slot skipped) from there on. The platform is read at lowering
+(`lax.platform_dependent`), not from the host, so `jopd aot --topology v5e:...` on a CPU host compiles what a TPU would run.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ ATTENTION.add("xla", Attention(causal=_xla_causal, cached=_xla_cached))
 
 # ---------------------------------------------------------------------------------------------
 # the other entries live in their own modules, which do not import this one (registering them here makes no circle):
-# "chunked", blockwise online softmax, memory O(T·block); "splash", Pallas TPU splash attention for the causal call
-# (no decode kernel yet)
+# "chunked", blockwise online softmax, memory O(T·block); "splash", Pallas TPU: the splash kernel for the causal call,
+# a decode kernel reading each row's cache up to its own slot for the cached one (attention_decode.py)
 
 from jopd.models.attention_chunked import chunked_cached, chunked_causal  # noqa: E402
 from jopd.models.attention_splash import splash_cached, splash_causal  # noqa: E402
@@ -150,8 +150,8 @@ def auto_choice(call: str, length: int, platform: str) -> str:
     `platform` ("tpu", "cuda", anything else)."""
     long = length >= (CPU_CHUNKED_FROM_T if call == "causal" else CPU_CHUNKED_FROM_S)
     plain = "chunked" if long else "xla"
-    if platform == "tpu":
-        return "splash" if call == "causal" else "chunked"
+    if platform == "tpu":  # splash's causal kernel, and its decode kernel (reads each row up to its slot)
+        return "splash"
     if platform == "cuda" and call == "causal" and "cudnn" in ATTENTION:
         return "cudnn"
     return plain

@@ -54,9 +54,12 @@ def blockwise_attention(
     dtype=jnp.float32,
     block_q: int = BLOCK,
     block_k: int = BLOCK,
+    kv_in_place: bool = False,
 ) -> Float[Array, "B T H Dh"]:
     """softmax(q k^T / sqrt(Dh)) v over the keys j with j <= q_pos[i], kv_valid[j] and (if given) equal segments,
-    computed a [block_q, block_k] tile at a time; grouped-query heads (query head h reads kv head h // (H / K))."""
+    computed a [block_q, block_k] tile at a time; grouped-query heads (query head h reads kv head h // (H / K)).
+    `kv_in_place` (a decode against a cache whose length the key block divides): each computed tile is sliced from
+    k and v where they lie, not from a blocked copy of them (which would copy the whole cache at every step)."""
     B, T, H, Dh = q_BxTxHxDh.shape
     K, S = k_BxKxSxDh.shape[1], k_BxKxSxDh.shape[2]
     G = H // K
@@ -71,8 +74,17 @@ def blockwise_attention(
     q = _pad_axis(q, 3, nq * bq, 0).reshape(B, K, G, nq, bq, Dh).transpose(3, 0, 1, 2, 4, 5)
     q_pos = _pad_axis(q_pos_BxT.astype(jnp.int32), 1, nq * bq, -1).reshape(B, nq, bq).transpose(1, 0, 2)
     # keys: [nk, B, K, bk, Dh]; a padded key is invalid
-    k = _pad_axis(k_BxKxSxDh, 2, nk * bk, 0).reshape(B, K, nk, bk, Dh).transpose(2, 0, 1, 3, 4)
-    v = _pad_axis(v_BxKxSxDh, 2, nk * bk, 0).reshape(B, K, nk, bk, Dh).transpose(2, 0, 1, 3, 4)
+    in_place = kv_in_place and nk * bk == S
+    if in_place:  # the scan carries block indices; `kv_tile` slices the tile it computes
+        kv_xs = jnp.arange(nk, dtype=jnp.int32)
+    else:
+        kv_xs = tuple(_pad_axis(x, 2, nk * bk, 0).reshape(B, K, nk, bk, Dh).transpose(2, 0, 1, 3, 4)
+                      for x in (k_BxKxSxDh, v_BxKxSxDh))
+
+    def kv_tile(kv_x):
+        if in_place:
+            return tuple(jax.lax.dynamic_slice_in_dim(x, kv_x * bk, bk, axis=2) for x in (k_BxKxSxDh, v_BxKxSxDh))
+        return kv_x
     kv_pos = jnp.broadcast_to(jnp.arange(nk * bk, dtype=jnp.int32).reshape(nk, 1, bk), (nk, B, bk))
     kv_valid = _pad_axis(kv_valid_BxS.astype(bool), 1, nk * bk, False).reshape(B, nk, bk).transpose(1, 0, 2)
     if segmented:
@@ -85,11 +97,12 @@ def blockwise_attention(
     def tile(carry, key_block, q_blk, q_pos_blk, q_seg_blk):
         """Fold one key tile into the running (max, sum, accumulator) of one query block."""
         m_BxKxGxQ, l_BxKxGxQ, acc_BxKxGxQxDh = carry
-        k_blk, v_blk, kv_pos_blk, kv_valid_blk, kv_seg_blk = key_block
+        kv_x, kv_pos_blk, kv_valid_blk, kv_seg_blk = key_block
         allowed_BxQxS = ((kv_pos_blk[:, None, :] <= q_pos_blk[:, :, None]) & kv_valid_blk[:, None, :]
                          & (kv_seg_blk[:, None, :] == q_seg_blk[:, :, None]))
 
         def fold(_):
+            k_blk, v_blk = kv_tile(kv_x)
             s = jnp.einsum("bkgqd,bksd->bkgqs", q_blk, k_blk, precision=prec,
                            preferred_element_type=jnp.float32) * scale
             allowed = allowed_BxQxS[:, None, None]
@@ -106,17 +119,17 @@ def blockwise_attention(
         return jax.lax.cond(allowed_BxQxS.any(), fold, lambda _: carry, None), None
 
     @jax.checkpoint  # the backward pass recomputes this query block's tiles instead of storing them
-    def query_block(q_blk, q_pos_blk, q_seg_blk, k, v, kv_pos, kv_valid, kv_seg):
+    def query_block(q_blk, q_pos_blk, q_seg_blk, kv_xs, kv_pos, kv_valid, kv_seg):
         init = (jnp.full((B, K, G, bq), jnp.finfo(jnp.float32).min, jnp.float32),
                 jnp.zeros((B, K, G, bq), jnp.float32), jnp.zeros((B, K, G, bq, Dh), jnp.float32))
         step = functools.partial(tile, q_blk=q_blk, q_pos_blk=q_pos_blk, q_seg_blk=q_seg_blk)
-        (_, l, acc), _ = jax.lax.scan(step, init, (k, v, kv_pos, kv_valid, kv_seg))
+        (_, l, acc), _ = jax.lax.scan(step, init, (kv_xs, kv_pos, kv_valid, kv_seg))
         # a query that saw nothing has l = 0 and acc = 0: output 0, and the division's gradient stays finite
         return (acc / jnp.where(l == 0.0, 1.0, l)[..., None]).astype(dtype)
 
     def per_query_block(_, xs):
         q_blk, q_pos_blk, q_seg_blk = xs
-        return None, query_block(q_blk, q_pos_blk, q_seg_blk, k, v, kv_pos, kv_valid, kv_seg)
+        return None, query_block(q_blk, q_pos_blk, q_seg_blk, kv_xs, kv_pos, kv_valid, kv_seg)
 
     _, out = jax.lax.scan(per_query_block, None, (q, q_pos, q_seg))  # [nq, B, K, G, bq, Dh]
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * bq, H, Dh)
@@ -142,5 +155,7 @@ def chunked_cached(q, k_cache, v_cache, *, slot, kv_mask_BxS=None, dtype, block_
         kv_mask_BxS = jnp.ones((B, S), bool)
     slot_B = jnp.broadcast_to(jnp.asarray(slot, jnp.int32), (B,))
     q_pos_BxT = slot_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    # a key block that divides the cache lets each tile be read where it lies (no blocked copy of the cache)
+    block_k = next((b for b in (block_k, block_k // 2, block_k // 4) if b and S % b == 0), block_k)
     return blockwise_attention(q, k_cache, v_cache, q_pos_BxT=q_pos_BxT, kv_valid_BxS=kv_mask_BxS, dtype=dtype,
-                               block_q=block_q, block_k=block_k)
+                               block_q=block_q, block_k=block_k, kv_in_place=True)

@@ -12,11 +12,11 @@ O(T · block), never a [T, S] score matrix), with padding, packed segment ids an
   kernel is chosen at lowering by the platform lowered for (`_splash`), so a CPU host runs the interpreter
   and still compiles the real kernel ahead of time for a TPU topology.
 - Under a mesh in context (`jax.set_mesh`: the train step, teacher scoring, `jopd aot`) the kernel runs in a
-  `jax.shard_map` on each device's block: the batch over the batch axes (data, fsdp) that divide it, the heads
-  over `tensor` when it divides both head counts, the sequence whole (a Mosaic call is opaque to the SPMD
-  partitioner, which would otherwise refuse it). Without a mesh it is called as it is.
+  `jax.shard_map` on each device's block (`attention_mesh.on_each_device`): the batch over the batch axes (data,
+  fsdp) that divide it, the heads over `tensor` when it divides both head counts, the sequence whole (the SPMD
+  partitioner refuses to split a Mosaic call). Without a mesh it is called as it is.
 
-Not here: the cached (decode) call, `jopd.models.attention_paged`.
+The entry's cached (decode) call is `attention_decode.decode_cached`, re-exported here as `splash_cached`.
 The Pallas modules are imported when a kernel is first built, so importing jopd.models never needs libtpu.
 """
 
@@ -30,12 +30,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jopd.models.attention_decode import decode_cached
+from jopd.models.attention_mesh import on_each_device
 from jopd.models.dtypes import matmul_precision
 
-# The mesh axes that split the batch (`transformer.BATCH_MESH_AXES`, which this module cannot import: transformer
-# imports the seam) and the one that splits heads (`jopd.parallel.mesh.MESH_AXES`; models sit below parallel).
-BATCH_AXES = ("data", "fsdp")
-HEAD_AXIS = "tensor"
 LANES = 128  # the kernel's blocks are whole multiples of the TPU lane width
 BLOCKS = (512, 256, 128)  # the largest that divides the (rounded-up) length is used
 
@@ -90,39 +88,10 @@ def _splash(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT, *, interpret: bool):
     return run(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT)
 
 
-def per_device_specs(B: int, heads: tuple[int, ...]):
-    """(mesh axes for shard_map, batch axes, head axis) for a kernel call on [B, heads, ...] arrays under the
-    context mesh (`jax.set_mesh`), or None without one. The batch goes over the batch axes that divide it (in
-    order), the heads over `tensor` when it divides every head count; every other free axis replicates."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)  # already manual: an outer shard_map
-    if not free:
-        return None
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    batch, n = [], 1
-    for a in BATCH_AXES:
-        if a in free and B % (n * sizes[a]) == 0:
-            batch.append(a)
-            n *= sizes[a]
-    head = HEAD_AXIS if HEAD_AXIS in free and all(h % sizes[HEAD_AXIS] == 0 for h in heads) else None
-    return frozenset(free), (tuple(batch) or None), head
-
-
-def _on_each_device(fn, q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT):
-    """`fn` on each device's [B/b, H/h, T, Dh] block under a mesh (a Mosaic call is opaque to the SPMD
-    partitioner: without this it would be run on whole gathered arrays); `fn` itself without a mesh."""
-    B, H = q_BxHxTxDh.shape[:2]
-    specs = per_device_specs(B, (H, k_BxKxTxDh.shape[1]))
-    if specs is None:
-        return fn(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT)
-    axes, batch, head = specs
+def _specs(batch, head):
     P = jax.sharding.PartitionSpec
-    spec = P(batch, head, None, None)
-    # check_vma off: the Pallas call carries no varying-axes annotation for shard_map's checker
-    return jax.shard_map(fn, in_specs=(spec, spec, spec, P(batch, None)), out_specs=spec, axis_names=axes,
-                         check_vma=False)(q_BxHxTxDh, k_BxKxTxDh, v_BxKxTxDh, seg_BxT)
+    heads = P(batch, head, None, None)  # [B, H or K, T, Dh]
+    return (heads, heads, heads, P(batch, None)), heads
 
 
 def splash_causal(q_BxTxHxDh: Float[Array, "B T H Dh"], k_BxKxTxDh: Float[Array, "B K T Dh"],
@@ -144,10 +113,9 @@ def splash_causal(q_BxTxHxDh: Float[Array, "B T H Dh"], k_BxKxTxDh: Float[Array,
     # The one place interpret vs compiled is chosen: by the platform being lowered for, not the host's backend.
     kernel = functools.partial(jax.lax.platform_dependent, tpu=functools.partial(_splash, interpret=False),
                                default=functools.partial(_splash, interpret=True))
-    out = _on_each_device(kernel, q, k, v, seg_BxT)
+    out = on_each_device(kernel, (q, k, v, seg_BxT), B=B, heads=(q.shape[1], k.shape[1]), specs=_specs)
     return out[:, :, :T].transpose(0, 2, 1, 3).astype(dtype)
 
 
-def splash_cached(q, k_cache, v_cache, *, slot, kv_mask_BxS=None, dtype):
-    raise NotImplementedError("attention 'splash': the cached (decode) call is future work (a ragged/paged "
-                              "Pallas decode kernel); decode with attention 'xla'")
+# The entry's cached call: the decode kernel (its own module, `jopd.models.attention_decode`).
+splash_cached = decode_cached

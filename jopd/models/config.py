@@ -40,6 +40,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # Mixture of experts (a family with `moe`; Qwen3-MoE's config.json keys). The defaults are a dense model.
+    num_experts: int = 0  # E routed experts in each sparse layer; 0: every layer is dense
+    num_experts_per_tok: int = 0  # k: the experts each token is routed to (top-k of the router's softmax)
+    moe_intermediate_size: int = 0  # I: each expert's SwiGLU width (dense layers keep `intermediate_size`)
+    norm_topk_prob: bool = False  # renormalize each token's k gate weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense whatever the step (stored sorted, without repeats)
     # Which attention implementation this model's forward runs (`jopd.models.attention`: a registered name or
     # "auto"); how the model computes, not what it is: never written to config.json.
     attention: str = "auto"
@@ -54,6 +61,44 @@ class ModelConfig:
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.family not in FAMILIES:
             raise ValueError(f"ModelConfig.family: {FAMILIES.unknown(self.family)}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        try:
+            layers = tuple(sorted({int(i) for i in self.mlp_only_layers}))
+        except (TypeError, ValueError):
+            raise ValueError(f"ModelConfig.mlp_only_layers must be layer numbers, got {self.mlp_only_layers!r}") from None
+        if any(i < 0 for i in layers):
+            raise ValueError(f"ModelConfig.mlp_only_layers must be non-negative, got {list(self.mlp_only_layers)}")
+        object.__setattr__(self, "mlp_only_layers", layers)  # a list from config.json: hashable, one spelling
+        if self.num_experts < 0:
+            raise ValueError(f"ModelConfig.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts == 0:
+            return
+        if not FAMILIES[self.family].moe:
+            raise ValueError(f"ModelConfig.num_experts={self.num_experts}: model family {self.family!r} has no "
+                             f"experts (one with moe=True, e.g. qwen3_moe, has)")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"ModelConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` runs the routed experts (HF Qwen3-MoE's rule) rather than the dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer of one kind (all dense or all sparse): the layers stack on a leading L axis (`lax.scan`)."""
+        return len(self.sparse_layers) in (0, self.num_layers)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -99,6 +144,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = tuple(eos)
+        experts = _experts_from_hf(hf) if family.moe else {}
         return cls(
             family=name,
             vocab_size=int(hf["vocab_size"]),
@@ -117,6 +163,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
+            **experts,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -140,6 +187,10 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if family.moe:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
         out.update(family.hf_extra)
         for k in ("bos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
@@ -148,3 +199,17 @@ class ModelConfig:
             out["eos_token_id"] = (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
                                    else self.eos_token_id)
         return out
+
+
+def _experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields of a MoE family's config.json. transformers 5 writes `num_experts` as `num_local_experts`
+    (an attribute alias); released checkpoints spell it `num_experts`. The optional keys take transformers'
+    defaults, so jopd builds the model transformers builds."""
+    num = hf["num_experts"] if "num_experts" in hf else hf.get("num_local_experts")
+    if num is None:
+        raise KeyError("num_experts")
+    return dict(num_experts=int(num or 0), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))

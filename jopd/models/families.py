@@ -1,7 +1,9 @@
 """Model families: one `Family` entry per architecture, holding everything that differs between them.
 
 The forward (`transformer.py`) is one implementation switched by `ModelConfig.qkv_bias` / `qk_norm`; a family
-fixes those switches and says how checkpoints name it (HF `config.json`, GGUF metadata). A new family is one
+fixes those switches and says how checkpoints name it (HF `config.json`, GGUF metadata). A family with `moe` reads
+and writes the Qwen-MoE expert keys of config.json (the `ModelConfig` expert fields; sparse layers then run
+`moe.sparse_mlp`). A new family is one
 `FAMILIES.add(name, Family(...))` in any module, a run config's `plugins` included (docs/extending.md).
 """
 
@@ -32,6 +34,9 @@ class Family:
     gguf_arch: str | None = None  # GGUF `general.architecture` (also its metadata key prefix); None: no GGUF
     # llama.cpp's converter permutes q/k rows for this arch (its RoPE pairs adjacent dims, HF's the two halves)
     gguf_qk_permuted: bool = False
+    # config.json holds an expert schedule (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+    # decoder_sparse_step, mlp_only_layers; HF's per-expert tensor names): the ModelConfig expert fields may be set
+    moe: bool = False
 
     def switches(self) -> dict[str, bool]:
         """The `ModelConfig` fields this family fixes, e.g. {"qkv_bias": True, "qk_norm": False}."""
@@ -51,6 +56,9 @@ FAMILIES.add("qwen2", Family(  # Qwen2's q/k/v biases are fixed by the class (it
 FAMILIES.add("qwen3", Family(
     model_type="qwen3", hf_architecture="Qwen3ForCausalLM", qk_norm=True,
     hf_refused={"attention_bias": _O_PROJ_BIAS}, gguf_arch="qwen3"))
+FAMILIES.add("qwen3_moe", Family(  # Qwen3 attention; sparse layers: softmax router, top-k of num_experts SwiGLUs
+    model_type="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM", qk_norm=True, moe=True,
+    hf_refused={"attention_bias": _O_PROJ_BIAS, "use_sliding_window": ""}))
 
 
 def _claimed_by(field: str, value: Any, key: str, source: str) -> str:

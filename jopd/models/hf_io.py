@@ -133,9 +133,9 @@ def save_hf(params: dict[str, Any], cfg: ModelConfig, out_dir: str | os.PathLike
         arr = np.asarray(arr).astype(dtype, copy=False)
         if view.per_layer:
             for i in range(cfg.num_layers):
-                tensors[view.hf_name(i)] = view.to_hf(arr[i])
+                tensors.update(view.hf_tensors(arr[i], i))
         else:
-            tensors[view.name] = view.to_hf(arr)
+            tensors.update(view.hf_tensors(arr))
     # "format": "pt" is what transformers checks for in the safetensors metadata.
     safetensors.numpy.save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     hf["dtype"] = hf["torch_dtype"] = dtype.name

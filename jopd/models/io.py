@@ -67,7 +67,8 @@ def _open_source(path: str | os.PathLike):
 
 
 def _lazy_param(src, view: TensorView, cfg: ModelConfig) -> LazyParam:
-    names = [view.hf_name(i) for i in range(cfg.num_layers)] if view.per_layer else [view.name]
+    layers = range(cfg.num_layers) if view.per_layer else [None]
+    names = [name for i in layers for name in view.hf_names(i)]
     for name in names:  # validate every tensor up front (metadata only) so errors come before any compute
         shape = src.shape(name)
         if shape is None:
@@ -80,19 +81,17 @@ def _lazy_param(src, view: TensorView, cfg: ModelConfig) -> LazyParam:
     for name in names[1:]:
         src.dtype(name)  # raises on an unsupported storage/quantization type
 
-    def fetcher(name):
-        def fetch(hf_index):
-            if any(s.stop <= s.start for s in hf_index):  # empty box: safetensors rejects such slices
-                return np.zeros([max(0, s.stop - s.start) for s in hf_index], dtype)
-            return src.fetch(name, hf_index)
-        return fetch
+    def fetch(name, hf_index):
+        if any(s.stop <= s.start for s in hf_index):  # empty box: safetensors rejects such slices
+            return np.zeros([max(0, s.stop - s.start) for s in hf_index], dtype)
+        return src.fetch(name, hf_index)
 
     if view.per_layer:
         full = (cfg.num_layers, *view.jopd_shape)
 
         def read(index):
             index = normalize_index(index, full)
-            rows = [view.read(fetcher(view.hf_name(i)), index[1:]) for i in range(index[0].start, index[0].stop)]
+            rows = [view.read_named(fetch, index[1:], i) for i in range(index[0].start, index[0].stop)]
             if not rows:
                 return np.zeros([s.stop - s.start for s in index], dtype)
             return np.stack(rows).astype(dtype, copy=False)
@@ -100,7 +99,7 @@ def _lazy_param(src, view: TensorView, cfg: ModelConfig) -> LazyParam:
         full = view.jopd_shape
 
         def read(index):
-            return view.read(fetcher(view.name), normalize_index(index, full)).astype(dtype, copy=False)
+            return view.read_named(fetch, normalize_index(index, full)).astype(dtype, copy=False)
 
     return LazyParam(shape=tuple(full), dtype=dtype, read=read)
 

@@ -14,6 +14,9 @@ Params layout (shape suffixes: V vocab, D hidden, L layers, H heads, K kv heads,
   embed_VxD, final_norm_D, lm_head_DxV (absent when tied), layers/{attn_norm_LxD, q_LxDxHxDh,
   k_LxDxKxDh, v_LxDxKxDh, o_LxHxDhxD, [q_bias_LxHxDh, k_bias_LxKxDh, v_bias_LxKxDh],
   [q_norm_LxDh, k_norm_LxDh], mlp_norm_LxD, gate_LxDxF, up_LxDxF, down_LxFxD}.
+A sparse (mixture-of-experts) layer has router_LxDxE, expert_gate_LxExDxI, expert_up_LxExDxI, expert_down_LxExIxD
+instead of gate/up/down (`moe.py`; E experts of width I); a model mixing dense and sparse layers keeps `layers` as
+a tuple of per-layer dicts (no L axis), run unrolled (`param_shapes`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from jopd.models import moe
 from jopd.models.attention import attention_impl
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import matmul_precision
@@ -37,35 +41,55 @@ KVCache = dict[str, tuple[jax.Array, ...]]  # {"k": L x [B,K,S,Dh], "v": L x [B,
 # over (B, K) read each buffer in place)
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """Shape and logical axis names of every parameter (the single source of the params layout)."""
-    L, D, H, K, Dh, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
-    layers = {
-        "attn_norm": ((L, D), ("layers", "embed")),
-        "q": ((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
-        "k": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
-        "v": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
-        "o": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
-        "mlp_norm": ((L, D), ("layers", "embed")),
-        "gate": ((L, D, F), ("layers", "embed", "mlp")),
-        "up": ((L, D, F), ("layers", "embed", "mlp")),
-        "down": ((L, F, D), ("layers", "mlp", "embed")),
+def _layer_shapes(cfg: ModelConfig, sparse: bool, L: int | None) -> dict[str, Any]:
+    """One layer's leaves (shape, logical axes); with `L`, stacked on a leading layers axis."""
+    D, H, K, Dh, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    lead, lead_axes = ((L,), ("layers",)) if L is not None else ((), ())
+    shapes = {
+        "attn_norm": ((D,), ("embed",)),
+        "q": ((D, H, Dh), ("embed", "heads", "head_dim")),
+        "k": ((D, K, Dh), ("embed", "kv_heads", "head_dim")),
+        "v": ((D, K, Dh), ("embed", "kv_heads", "head_dim")),
+        "o": ((H, Dh, D), ("heads", "head_dim", "embed")),
+        "mlp_norm": ((D,), ("embed",)),
     }
+    if sparse:  # the routed experts (`moe.sparse_mlp`) in place of the dense SwiGLU
+        shapes["router"] = ((D, E), ("embed", "experts"))
+        shapes["expert_gate"] = ((E, D, I), ("experts", "embed", "mlp"))
+        shapes["expert_up"] = ((E, D, I), ("experts", "embed", "mlp"))
+        shapes["expert_down"] = ((E, I, D), ("experts", "mlp", "embed"))
+    else:
+        shapes["gate"] = ((D, F), ("embed", "mlp"))
+        shapes["up"] = ((D, F), ("embed", "mlp"))
+        shapes["down"] = ((F, D), ("mlp", "embed"))
     if cfg.qkv_bias:
-        layers["q_bias"] = ((L, H, Dh), ("layers", "heads", "head_dim"))
-        layers["k_bias"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
-        layers["v_bias"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+        shapes["q_bias"] = ((H, Dh), ("heads", "head_dim"))
+        shapes["k_bias"] = ((K, Dh), ("kv_heads", "head_dim"))
+        shapes["v_bias"] = ((K, Dh), ("kv_heads", "head_dim"))
     if cfg.qk_norm:
-        layers["q_norm"] = ((L, Dh), ("layers", "head_dim"))
-        layers["k_norm"] = ((L, Dh), ("layers", "head_dim"))
+        shapes["q_norm"] = ((Dh,), ("head_dim",))
+        shapes["k_norm"] = ((Dh,), ("head_dim",))
+    return {name: (lead + shape, lead_axes + axes) for name, (shape, axes) in shapes.items()}
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """Shape and logical axis names of every parameter (the single source of the params layout).
+
+    Layers of one kind (all dense, or all sparse) stack on a leading L axis; a mixed dense/sparse schedule is a
+    tuple of per-layer dicts (the unstacked form, run as an unrolled loop): their leaves differ, so no one stack
+    holds them, and such schedules are rare (released Qwen3-MoE checkpoints are sparse in every layer)."""
+    if cfg.uniform_layers:
+        layers: Any = _layer_shapes(cfg, bool(cfg.sparse_layers), cfg.num_layers)
+    else:
+        layers = tuple(_layer_shapes(cfg, cfg.is_sparse(i), None) for i in range(cfg.num_layers))
     out: dict[str, Any] = {
-        "embed": ((V, D), ("vocab", "embed")),
-        "final_norm": ((D,), ("embed",)),
+        "embed": ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
+        "final_norm": ((cfg.hidden_size,), ("embed",)),
         "layers": layers,
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head"] = ((D, V), ("embed", "vocab"))
+        out["lm_head"] = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
     return out
 
 
@@ -165,7 +189,8 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
            attend, dtype):
     """One block. With a cache (this layer's [B,K,S,Dh] buffers), the new K/V are written at slot `write_index`
     (a scalar, or one slot per row: [B]) and attention reads the whole buffer. `attend(q, k, v)` is the attention
-    seam's call for this forward (`jopd.models.attention`: causal, or against the cache)."""
+    seam's call for this forward (`jopd.models.attention`: causal, or against the cache). Returns (x, k_cache,
+    v_cache, each token's expert ids [B,T,k] for a sparse layer, else None)."""
 
     def _write_cache(cache_BxKxSxDh, new_BxKxTxDh):
         new = new_BxKxTxDh.astype(cache_BxKxSxDh.dtype)
@@ -197,10 +222,13 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
     attn = attend(q, k_all, v_all)
     x = x_BxTxD + jnp.einsum("bthe,hed->btd", attn, w("o"), precision=prec)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, w("gate"), precision=prec)
-    up = jnp.einsum("btd,df->btf", h, w("up"), precision=prec)
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down"), precision=prec)
-    return x, k_cache, v_cache
+    if "router" in lp:  # a sparse layer (`ModelConfig.is_sparse`): the routed experts
+        mlp_out, expert_ids = moe.sparse_mlp(cfg, lp, h, dtype)
+    else:
+        gate = jnp.einsum("btd,df->btf", h, w("gate"), precision=prec)
+        up = jnp.einsum("btd,df->btf", h, w("up"), precision=prec)
+        mlp_out, expert_ids = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down"), precision=prec), None
+    return x + mlp_out, k_cache, v_cache, expert_ids
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -266,8 +294,11 @@ def forward(
     remat: bool = False,
     segment_ids_BxT: Int[Array, "B T"] | None = None,
     attention: str | None = None,
-) -> tuple[jax.Array, KVCache | None]:
-    """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None).
+    return_routing: bool = False,
+) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, Int[Array, "Ls B T k"] | None]:
+    """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None), and with `return_routing` a third
+    element: each token's expert ids in every sparse layer, [Ls, B, T, k] int32 (sparse layers in depth order,
+    each token's k ids in descending router probability; None for a model without sparse layers).
 
     Without a cache, token i attends to tokens j <= i with `attn_mask_BxT[j]` set (padding on either side).
     With a cache of S slots, the T new tokens occupy slots [cache_index, cache_index + T) and attend to
@@ -281,7 +312,8 @@ def forward(
     `segment_ids_BxT` (no cache): packed rows, a token attends only within its own segment (pass the positions
     restarting at each segment, `opd.packing`).
     `attention` names the implementation of the attention seam (`jopd.models.attention.ATTENTION`, or "auto");
-    None: the model's own `cfg.attention`. The forward hands it the structure (padding mask, segment ids, or the cache's slot index and kv mask), not a dense mask.
+    None: the model's own `cfg.attention`. The forward hands it the structure (padding mask, segment ids, or the
+    cache's slot index and kv mask), not a dense mask.
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -299,8 +331,8 @@ def forward(
             return impl.cached(q, k, v, slot=cache_index, kv_mask_BxS=kv_mask_BxS, dtype=dtype)
 
     def layer_fn(lp, x, k_l, v_l):
-        x, k_l, v_l = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, attend, dtype)
-        return constrain_batch(x), k_l, v_l
+        x, k_l, v_l, ids = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, attend, dtype)
+        return constrain_batch(x), k_l, v_l, (ids if return_routing else None)
 
     if remat:  # prevent_cse=False is safe (and faster) inside scan (and harmless in the unrolled loop)
         layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
@@ -308,16 +340,21 @@ def forward(
         layers = unstack_layers(params)["layers"]
         ks = list(cache["k"]) if cache is not None else [None] * len(layers)
         vs = list(cache["v"]) if cache is not None else [None] * len(layers)
+        routed = []
         for i, lp in enumerate(layers):
-            x, ks[i], vs[i] = layer_fn(lp, x, ks[i], vs[i])
+            x, ks[i], vs[i], ids = layer_fn(lp, x, ks[i], vs[i])
+            routed += [] if ids is None else [ids]
+        experts = jnp.stack(routed) if routed else None
         new_cache = None if cache is None else {"k": tuple(ks), "v": tuple(vs)}
     else:
-        x, _ = jax.lax.scan(lambda x, lp: (layer_fn(lp, x, None, None)[0], None), x, params["layers"])
+        def scan_body(x, lp):
+            x, _, _, ids = layer_fn(lp, x, None, None)
+            return x, ids
+        x, experts = jax.lax.scan(scan_body, x, params["layers"])
         new_cache = None
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if return_hidden:
-        return hidden, new_cache
-    return logits_from_hidden(params, hidden, dtype=dtype, logits_dtype=logits_dtype), new_cache
+    out = hidden if return_hidden else logits_from_hidden(params, hidden, dtype=dtype, logits_dtype=logits_dtype)
+    return (out, new_cache, experts) if return_routing else (out, new_cache)
 
 
 def response_hidden(params: Params, cfg: ModelConfig, tokens_BxS: Int[Array, "B S"], attn_mask_BxS: Bool[Array, "B S"],

@@ -97,6 +97,7 @@ TRAIN_RULES = AxisRules.from_dict("train", {
     "kv_heads": ["tensor"],
     "head_dim": ["tensor", None],  # only where heads/kv_heads could not take `tensor` (used left to right)
     "mlp": ["tensor"],
+    "experts": [None],  # a MoE layer's experts: whole on every device (expert parallelism is not built yet)
     **_ACTIVATION_RULES,
 })
 
@@ -108,6 +109,7 @@ SAMPLE_RULES = AxisRules.from_dict("sample", {
     "kv_heads": ["tensor"],
     "head_dim": ["tensor", None],
     "mlp": ["tensor"],
+    "experts": [None],  # a MoE layer's experts: whole on every device (expert parallelism is not built yet)
     **_ACTIVATION_RULES,
 })
 
@@ -195,6 +197,8 @@ def unstacked_layer_shardings(shardings, num_layers: int):
         if spec and spec[0] is not None:
             raise ValueError(f"unstacked_layer_shardings: the layers dim is split ({sh.spec}); it cannot be unstacked")
         return NamedSharding(sh.mesh, P(*spec[1:]))
+    if isinstance(shardings["layers"], (tuple, list)):  # already per layer (a mixed dense/sparse MoE schedule)
+        return shardings
     layer = jax.tree.map(per_layer, shardings["layers"])
     return dict(shardings, layers=tuple(layer for _ in range(num_layers)))
 

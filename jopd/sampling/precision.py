@@ -21,14 +21,18 @@ from jopd.config_dataclass import config_dataclass
 from jopd.models.dtypes import DTYPES, DTypeName
 
 # Contraction (input) axes of every matrix in the params layout of `jopd.models.transformer`: the scale of a
-# per-output-channel quantizer is the abs-max over these axes. Norm weights and biases are never quantized.
+# per-output-channel quantizer is the abs-max over these axes. Counted from the end, so that a stacked leaf ([L, ...])
+# and a per-layer one (a mixed dense/sparse MoE schedule's) get the same scales. Norm weights and biases are never
+# quantized, nor is a MoE router (inference engines keep it in the model dtype: it only picks experts).
 _INPUT_AXES: dict[str, tuple[int, ...]] = {
-    "embed": (1,),  # V x D: one scale per vocab row (it is also the tied lm_head's output channel)
-    "lm_head": (0,),  # D x V
-    "q": (1,), "k": (1,), "v": (1,),  # L x D x N x Dh
-    "o": (1, 2),  # L x H x Dh x D
-    "gate": (1,), "up": (1,),  # L x D x F
-    "down": (1,),  # L x F x D
+    "embed": (-1,),  # V x D: one scale per vocab row (it is also the tied lm_head's output channel)
+    "lm_head": (-2,),  # D x V
+    "q": (-3,), "k": (-3,), "v": (-3,),  # [L x] D x N x Dh
+    "o": (-3, -2),  # [L x] H x Dh x D
+    "gate": (-2,), "up": (-2,),  # [L x] D x F
+    "down": (-2,),  # [L x] F x D
+    "expert_gate": (-2,), "expert_up": (-2,),  # [L x] E x D x I: one scale per expert and output channel
+    "expert_down": (-2,),  # [L x] E x I x D
 }
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0

@@ -24,7 +24,8 @@ from jopd import parallel as meshlib
 from jopd.sizing.report import StageReport
 from jopd.sizing.stages import StepInputs, abstract, compile_stage, kv_cache, step_inputs
 from jopd.opd.batch import scoring_input
-from jopd.sizing.roofline import CHIP_PEAKS, Cost, Part, Roofline, StageCost, loop_notes, model_flops
+from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_cost
+from jopd.sizing.roofline import CHIP_PEAKS, F32_PASSES, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.run.config import RunConfig
 from jopd.losses.compute import loss_chunk
 from jopd.opd.step import OPDStep, build_step
@@ -218,8 +219,8 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
         if report.name not in programs:
             stages.append(StageCost(report.name, (Part(report.name, 1, report.cost, 0.0, report.error),)))
             continue
-        stages.append(StageCost(report.name, tuple(_cost_part(step.mesh, p, num_devices, options)
-                                                  for p in programs[report.name])))
+        parts = tuple(_cost_part(step.mesh, p, num_devices, options) for p in programs[report.name])
+        stages.append(StageCost(report.name, parts + attention_parts(step, ins, report.name, num_devices)))
     notes = _notes(step, stages, options)
     return Roofline(chip=chip, peak=CHIP_PEAKS[chip], num_devices=num_devices, devices_per_chip=per_chip,
                     stages=stages, rollout_tokens=step.rollout_rows * step.cfg.sampling.max_new_tokens,
@@ -252,6 +253,46 @@ def _cost_part(mesh, program: CostProgram, num_devices: int, options) -> Part:
     return Part(program.name, program.count, cost, time.perf_counter() - t0, error, program.minus is not None)
 
 
+def _passes(dtype) -> int:
+    """bf16 MXU passes of one of this dtype's matmuls (`models.dtypes.matmul_precision`: fp32 at HIGHEST)."""
+    return F32_PASSES["HIGHEST"] if jnp.dtype(dtype) == jnp.float32 else 1
+
+
+def attention_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int) -> tuple[Part, ...]:
+    """The stage's attention where XLA's cost analysis cannot see it (`sizing.attention_cost`: a Pallas kernel, or
+    the chunked entry's loops), per device (the rows split evenly): one `attention` part, run as often as the
+    program it belongs to; none where the entry is XLA's own einsums."""
+    cfg = step.cfg
+    platform = step.mesh.devices.flat[0].platform
+    B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    T = Pl + N
+    costs = []  # (count, AttentionCost, matmul dtype)
+    if stage == "sample":
+        precision = step.sampler.precision
+        U = B // step.prefill_group
+        costs.append((1, causal_cost(step.student_cfg, U, Pl, jnp.dtype(precision.dtype).itemsize, platform),
+                      precision.dtype))
+        steps = engine_of(ins.engine).decode_steps(np.full(B, N), ins.slots, step.sampler.shards)
+        costs.append((steps, decode_cost(step.student_cfg, ins.slots, Pl, N, jnp.dtype(precision.cache_dtype).itemsize,
+                                         platform), precision.dtype))
+    elif stage == "teacher_scoring":
+        for t_cfg, rows, src in zip(step.teacher_cfgs, teacher_rows(step), cfg.teacher_sources()):
+            dtype = jnp.bfloat16 if src.dtype == "bf16" else jnp.float32
+            costs.append((1, causal_cost(t_cfg, rows, T, jnp.dtype(dtype).itemsize, platform), dtype))
+    elif stage == "train_step":
+        dtype = jnp.bfloat16 if cfg.student.dtype == "bf16" else jnp.float32
+        cost = causal_cost(step.student_cfg, B, T, jnp.dtype(dtype).itemsize, platform, train=True,
+                           remat=cfg.train.remat)
+        costs.append((cfg.rl.inner_updates, cost, dtype))
+    out = []
+    for count, c, dtype in costs:
+        if c.flops:
+            per_device = Cost(c.flops / num_devices, c.bytes / num_devices,
+                              (_passes(dtype) - 1) * c.flops / num_devices)
+            out.append(Part(f"attention[{c.impl}]", count, per_device))
+    return tuple(out)
+
+
 def _layer_and_head_params(cfg: ModelConfig) -> tuple[int, int]:
     layers = transformer.abstract_params(cfg)["layers"]
     return sum(math.prod(x.shape) for x in jax.tree.leaves(layers)), cfg.hidden_size * cfg.vocab_size
@@ -260,18 +301,27 @@ def _layer_and_head_params(cfg: ModelConfig) -> tuple[int, int]:
 def step_model_flops(step: OPDStep) -> dict[str, float]:
     """The step's model FLOPs by stage (`roofline.model_flops`), every row at its full prompt and response length:
     the rollout's prefill and decode forwards, the teacher's (and the KL reference's) forward over prompt +
-    response, the update's forward + backward; the LM head at the positions projected to logits (the response's)."""
+    response, the update's forward + backward; the LM head at the positions projected to logits (the response's);
+    the attention's score and value matmuls over the causal pairs (`attention_cost.causal_model_flops`; a decode
+    step's query against the tokens before it)."""
     cfg = step.cfg
     B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
     U = B // step.prefill_group
     student = _layer_and_head_params(step.student_cfg)
-    scoring = sum(model_flops(*_layer_and_head_params(t_cfg), rows * (Pl + N), rows * N, 2)
+    s_cfg, T = step.student_cfg, Pl + N
+    scoring = sum(model_flops(*_layer_and_head_params(t_cfg), rows * T, rows * N, 2)
+                  + causal_model_flops(t_cfg, rows, T, 2)
                   for t_cfg, rows in zip(step.teacher_cfgs, teacher_rows(step)))
     if step.uses_reference:
-        scoring += model_flops(*student, B * (Pl + N), B * N, 2)
-    return {"weight_sync": 0.0, "sample": model_flops(*student, U * Pl + B * (N - 1), B * N, 2),
-            "teacher_scoring": scoring,
-            "train_step": cfg.rl.inner_updates * model_flops(*student, B * (Pl + N), B * N, 6)}
+        scoring += model_flops(*student, B * T, B * N, 2) + causal_model_flops(s_cfg, B, T, 2)
+    # decode: step i's query reads Pl + i cached tokens; summed over the N - 1 steps after the prefill's token
+    decode_pairs = B * ((N - 1) * Pl + (N - 1) * N // 2)
+    decode_attention = 2 * 2 * decode_pairs * s_cfg.head_dim * s_cfg.num_heads * s_cfg.num_layers
+    sample = (model_flops(*student, U * Pl + B * (N - 1), B * N, 2) + causal_model_flops(s_cfg, U, Pl, 2)
+              + decode_attention)
+    train = model_flops(*student, B * T, B * N, 6) + causal_model_flops(s_cfg, B, T, 6)
+    return {"weight_sync": 0.0, "sample": float(sample), "teacher_scoring": scoring,
+            "train_step": cfg.rl.inner_updates * train}
 
 
 def teacher_rows(step: OPDStep) -> tuple[int, ...]:

@@ -7,6 +7,9 @@ with float32 operands at Precision.HIGHEST (the fp32 trainer's and the teacher s
 on the MXU and HIGH as 3 (XLA's BF16_BF16_F32_X6 / _X3 algorithms); XLA counts their FLOPs once, so the extra
 passes are added from the lowered StableHLO (`dot_flops_by_passes`).
 
+Attention that XLA cannot see (a Pallas kernel's custom call, the chunked entry's loops) is added on paper
+(`jopd.sizing.attention_cost`, an `attention[...]` part of its stage).
+
 What the prediction leaves out: collectives' ICI time (FSDP all-gathers, reduce-scatters), host work and
 dispatch between stages, the loops' own control, overlap of stages, and compiler efficiency (the roofline is a
 lower bound: 100% of peak FLOP/s or HBM bandwidth, whichever binds).
@@ -182,7 +185,8 @@ class StageCost:
 
 def model_flops(layer_params: int, head_params: int, positions: int, projected: int, factor: int) -> float:
     """factor x (layer params x positions + head params x positions projected to logits): 2 for a forward, 6 for
-    forward + backward; the attention's score and value matmuls and the embedding lookup are not counted."""
+    forward + backward; the attention's score and value matmuls (`attention_cost.causal_model_flops`) are added
+    by the caller; the embedding lookup is not counted."""
     return float(factor * (layer_params * positions + head_params * projected))
 
 
@@ -270,7 +274,7 @@ class Roofline:
         return (f"predicted step {'-' if self.step_s is None else _num(self.step_s)} s (the stages in sequence); "
                 f"rollout {'-' if tok_s is None else f'{tok_s:.0f}'} tok/s per chip ({self.rollout_tokens} tokens: "
                 f"every row to max_new_tokens); MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} (model FLOPs: 2 x "
-                f"params x tokens for rollout and scoring, 6 x for the update; attention excluded)")
+                f"params x tokens for rollout and scoring, 6 x for the update, plus the attention's causal pairs)")
 
 
 def _num(x: float) -> str:

@@ -28,13 +28,22 @@ CASES = {
     "qwen3_tied": (transformers.Qwen3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True)),
 }
+# Mixture-of-experts cases (tests/models/test_moe.py): every layer sparse, as released Qwen3-MoE checkpoints are;
+# 8 experts, top-2, unnormalized gate weights
+MOE_CASES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e6, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False)),
+}
 
 
-def make_hf_model(case: str, seed: int = 0):
-    """A random model whose norm weights and biases are non-trivial (HF init leaves them at 1 and 0)."""
-    cls, kw = CASES[case]
+def make_hf_model(case: str, seed: int = 0, **overrides):
+    """A random model whose norm weights and biases are non-trivial (HF init leaves them at 1 and 0); `overrides`
+    change the case's config keys."""
+    cls, kw = {**CASES, **MOE_CASES}[case]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**TINY, **kw), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**TINY, **kw, **overrides}),
+                                                          dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

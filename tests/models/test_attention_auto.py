@@ -59,7 +59,7 @@ def test_decode_is_xla_below_the_threshold_and_chunked_from_it(monkeypatch, S):
 def test_the_choice_per_platform_and_length():
     assert [attention.auto_choice("causal", T, "cpu") for T in (128, 1023, 1024, 16384)] == [
         "xla", "xla", "chunked", "chunked"]
-    assert attention.auto_choice("causal", 128, "tpu") == "splash"
+    assert attention.auto_choice("causal", 128, "tpu") == attention.auto_choice("cached", 128, "tpu") == "splash"
     assert attention.auto_choice("cached", 100, "cpu") == "xla"
     assert attention.auto_choice("cached", 16384, "cpu") == "chunked"
 

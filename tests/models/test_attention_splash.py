@@ -1,6 +1,7 @@
 """The "splash" attention entry (`jopd.models.attention_splash`): on CPU, in Pallas interpret mode, its causal call and
-its gradient equal the "xla" entry's with padding, packed segments and grouped-query heads; with libtpu, the real
-kernel lowers and compiles ahead of time for a TPU topology at a long length."""
+its gradient equal the "xla" entry's with padding, packed segments and grouped-query heads, alone and per device under
+a mesh; with libtpu, the real kernel lowers and compiles ahead of time for a TPU topology at a long length, and under a
+4-chip mesh on each chip's block. (The entry's cached call: tests/models/test_attention_decode.py.)"""
 
 import importlib.util
 
@@ -48,12 +49,6 @@ def test_causal_and_gradient_equal_xla_with_padding_segments_and_gqa():
     np.testing.assert_array_equal(again[1, :60], out[1, :60])
     np.testing.assert_array_equal(again[1, 140:170], out[1, 140:170])
     assert not np.array_equal(again[1, 60:140], out[1, 60:140])
-
-
-def test_cached_call_is_one_line_naming_decode():
-    with pytest.raises(NotImplementedError) as e:
-        ATTENTION["splash"].cached(None, None, None, slot=0, dtype=jnp.float32)
-    assert "\n" not in str(e.value) and "decode" in str(e.value)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra installs it)")

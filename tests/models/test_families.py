@@ -35,7 +35,7 @@ def registered():
         FAMILIES.remove(name)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_builtin_families_write_their_entry_and_read_back(name):
     family = FAMILIES[name]
     cfg = ModelConfig(family=name, **family.switches())

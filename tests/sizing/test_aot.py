@@ -127,6 +127,7 @@ ARCHS = {
     "llama-3.2-1b-instruct": (1_235_814_400, None),
     "qwen3-8b": (8.2e9, 6.95e9),
     "qwen3-1.7b": (1.7e9, 1.4e9),
+    "qwen3-30b-a3b": (30.5e9, 29.9e9),  # model card: 30.5B in total (3.3B activated), 29.9B non-embedding
 }
 
 
