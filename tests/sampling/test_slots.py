@@ -79,8 +79,6 @@ def test_each_row_samples_as_in_the_static_engine_whatever_the_slot_count(settin
     for slots in slot_counts if attention == "auto" else slot_counts[-1:]:  # "chunked": one count (a compile each)
         out = Sampler(cfg, dataclasses.replace(sampling, slots=slots), precision).generate(params(), rows, seed=5)
         assert_same_samples(out, ref)
-    if attention != "auto":  # across implementations the logits differ in the last bits only: the same samples here
-        assert_same_samples(ref, Sampler(CFG, sampling, precision).generate(params(), rows, seed=5))
 
 
 def test_a_prompts_samples_share_its_prefill_and_equal_separate_prefills():
