@@ -10,10 +10,10 @@ How the seam's inputs map onto what that call takes:
   `is_causal` and its real length (cuDNN's padding-causal mask), and the output rolled back. q/k already carry
   RoPE, so rolling a row changes no score. **Rule**: `mask_BxT` must mark one contiguous run per row (what every
   jopd caller passes); a row with holes would be attended as if the holes were real.
-- Packed rows (`segment_ids_BxT` given): the call has no segment ids (cuDNN's packed layout, per-segment offsets,
-  is not in its API), so the segments, the causal order and the padding go in as a boolean `mask` [B, 1, T, T],
-  which cuDNN takes as a bias: the one case that builds a [T, T] array per row (and a bias gradient in the
-  backward). For long packed rows on a GPU, "chunked" is the O(T · block) path.
+- Packed rows (`segment_ids_BxT` given): the call has no segment ids, and a boolean `mask` would be a [B, 1, T, T]
+  array per call (cuDNN takes it as a bias, with a bias gradient in the backward), what packing long rows must
+  not build. So packed rows run the "chunked" call (segment ids, blockwise) on every platform. cuDNN's own packed
+  layout (per-segment offsets, Hopper on) is not in `jax.nn.dot_product_attention`'s API.
 - Dtypes: cuDNN's kernel takes bf16 / fp16 only; with fp32 compute the GPU branch runs "chunked" (exact,
   blockwise) instead. Head dims must be multiples of 8 (at most 128 before Hopper, 256 on it): jax raises
   otherwise.
@@ -57,38 +57,34 @@ def _roll_rows(x_BxTx: jax.Array, shift_B: Int[Array, "B"]) -> jax.Array:
     return jnp.take_along_axis(x_BxTx, idx_BxT.reshape(idx_BxT.shape + (1,) * (x_BxTx.ndim - 2)), axis=1)
 
 
-def _dot_product_attention(q_BxTxHxDh, k_BxKxTxDh, v_BxKxTxDh, *, mask_BxT, segment_ids_BxT, implementation: str):
-    """The seam's causal call as one `jax.nn.dot_product_attention` call (the mapping of the module docstring)."""
+def _dot_product_attention(q_BxTxHxDh, k_BxKxTxDh, v_BxKxTxDh, *, mask_BxT, implementation: str):
+    """The seam's causal call (no segments) as one `jax.nn.dot_product_attention` call: each row's real run rolled to
+    the front, then causal with right padding only (the mapping of the module docstring)."""
     k, v = k_BxKxTxDh.transpose(0, 2, 1, 3), v_BxKxTxDh.transpose(0, 2, 1, 3)  # [B, T, K, Dh]
-    call = functools.partial(jax.nn.dot_product_attention, scale=1.0 / math.sqrt(q_BxTxHxDh.shape[-1]),
-                             is_causal=True, implementation=implementation)
-    if segment_ids_BxT is not None:  # packed: no segment ids in the call, so a [B, 1, T, T] mask
-        same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-        return call(q_BxTxHxDh, k, v, mask=(mask_BxT[:, None, :] & same_BxTxT)[:, None])
-    # padding on either side: each row's real run rolled to the front, then right padding only
     first_B = jnp.argmax(mask_BxT, axis=1).astype(jnp.int32)  # 0 for a row with no real token
     lengths_B = mask_BxT.sum(axis=1, dtype=jnp.int32)
     q, k, v = (_roll_rows(x, first_B) for x in (q_BxTxHxDh, k, v))
-    out = call(q, k, v, query_seq_lengths=lengths_B, key_value_seq_lengths=lengths_B)
+    out = jax.nn.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), is_causal=True,
+                                       query_seq_lengths=lengths_B, key_value_seq_lengths=lengths_B,
+                                       implementation=implementation)
     return _roll_rows(out, (-first_B) % out.shape[1])
 
 
 def cudnn_causal(q_BxTxHxDh: Float[Array, "B T H Dh"], k_BxKxTxDh: Float[Array, "B K T Dh"],
                  v_BxKxTxDh: Float[Array, "B K T Dh"], *, mask_BxT: Bool[Array, "B T"],
                  segment_ids_BxT: Int[Array, "B T"] | None = None, dtype) -> Float[Array, "B T H Dh"]:
-    """`Attention.causal` by `jax.nn.dot_product_attention` (see the module docstring for the mapping and its
-    rule: one contiguous run of real tokens per row)."""
+    """`Attention.causal` by `jax.nn.dot_product_attention` (see the module docstring for the mapping, its rule
+    (one contiguous run of real tokens per row) and its fallbacks: packed rows, and fp32 on a GPU, run "chunked")."""
     mask_BxT = jnp.asarray(mask_BxT, bool)
-    seg_BxT = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
-    seam = dict(mask_BxT=mask_BxT, segment_ids_BxT=seg_BxT)
-    default = functools.partial(_dot_product_attention, **seam, implementation="xla")
+    chunked = functools.partial(chunked_causal, mask_BxT=mask_BxT, segment_ids_BxT=segment_ids_BxT, dtype=dtype)
+    if segment_ids_BxT is not None:
+        return chunked(q_BxTxHxDh, k_BxKxTxDh, v_BxKxTxDh)
+    default = functools.partial(_dot_product_attention, mask_BxT=mask_BxT, implementation="xla")
     if not cuda_backend():
         out = default(q_BxTxHxDh, k_BxKxTxDh, v_BxKxTxDh)
     else:
-        if jnp.dtype(q_BxTxHxDh.dtype) in CUDNN_DTYPES:
-            on_gpu = functools.partial(_dot_product_attention, **seam, implementation="cudnn")
-        else:  # fp32 compute: cuDNN's kernel refuses it; the blockwise entry instead
-            on_gpu = functools.partial(chunked_causal, **seam, dtype=dtype)
+        on_gpu = (functools.partial(_dot_product_attention, mask_BxT=mask_BxT, implementation="cudnn")
+                  if jnp.dtype(q_BxTxHxDh.dtype) in CUDNN_DTYPES else chunked)  # fp32: cuDNN's kernel refuses it
         out = jax.lax.platform_dependent(q_BxTxHxDh, k_BxKxTxDh, v_BxKxTxDh, cuda=on_gpu, default=default)
     return out.astype(dtype)
 
