@@ -134,9 +134,11 @@ ATTENTION.add("xla", Attention(causal=_xla_causal, cached=_xla_cached))
 
 from jopd.models.attention_chunked import chunked_cached, chunked_causal  # noqa: E402
 from jopd.models.attention_splash import splash_cached, splash_causal  # noqa: E402
+from jopd.models.attention_cudnn import cudnn_cached, cudnn_causal  # noqa: E402
 
 ATTENTION.add("chunked", Attention(causal=chunked_causal, cached=chunked_cached))
 ATTENTION.add("splash", Attention(causal=splash_causal, cached=splash_cached))
+ATTENTION.add("cudnn", Attention(causal=cudnn_causal, cached=cudnn_cached))
 
 
 # ---------------------------------------------------------------------------------------------

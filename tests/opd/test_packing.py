@@ -2,6 +2,8 @@
 once, the packed forward equals the padded one, and for every loss kind that reads per-token fields the loss,
 its metrics and its gradient equal the padded step's (also sharded over 8 devices)."""
 
+import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -10,9 +12,10 @@ import pytest
 
 from jopd.losses.chunked import head_params
 from jopd.losses.layout import from_compact, to_compact
+from jopd.models import transformer as T
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays
-from jopd.opd.packing import plan_packing
+from jopd.opd.packing import pack_tokens, packed_hidden, plan_packing
 from jopd.run.config import load_config
 from jopd.opd.step import Rollout, build_step
 from jopd.opd.student_loss import rollout_loss_fn
@@ -166,3 +169,44 @@ def test_packed_step_on_eight_devices_equals_the_padded_one_device_step():
 def test_pack_with_gradient_accumulation_is_refused():
     with pytest.raises(ValueError, match=r"train.pack: not with optim.grad_accum_steps=2"):
         _step(["train.pack=true", "optim.grad_accum_steps=2"], jax.devices()[:1])
+
+
+
+PACK_P, PACK_N = 8, 112
+PACK_PROMPTS, PACK_LENGTHS = np.array([6, 3, 8, 2]), np.array([84, 7, 4, 5])  # 90 + 10 + 12 + 7 tokens: one row
+
+
+@functools.lru_cache(maxsize=None)
+def long_and_short_sequences():
+    """The sequences, their padded layout [4, P + N] (prompt left-padded, response right-padded), the params, and
+    each sequence's logits from its own forward, alone and unpadded ("xla")."""
+    params = numpy_params(STUDENT, 3, layer_scale=5.0)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(1, STUDENT.vocab_size, p + n) for p, n in zip(PACK_PROMPTS, PACK_LENGTHS)]
+    tokens = np.zeros((4, PACK_P + PACK_N), np.int32)
+    for i, (s, p) in enumerate(zip(seqs, PACK_PROMPTS)):
+        tokens[i, PACK_P - p:PACK_P - p + len(s)] = s
+    alone = [np.asarray(jax.jit(lambda p_, t: T.forward(p_, t, cfg=STUDENT, attention="xla")[0])(params, s[None]))[0]
+             for s in seqs]
+    return seqs, tokens, params, alone
+
+
+@pytest.mark.parametrize("attention", ["xla", "chunked", "splash", "cudnn"])
+def test_a_packed_long_and_short_responses_equal_each_alone_with_each_attention(attention):
+    """One packed row holds a long and three short prompt + response sequences (`packed_hidden`, the scoring's and
+    the update's forward, handing the segment ids to the attention seam); with each implementation ("splash" in
+    Pallas interpret mode) the logits at every real position equal each sequence's own forward, alone and unpadded."""
+    seqs, tokens, params, alone = long_and_short_sequences()
+    plan = plan_packing(PACK_PROMPTS, PACK_LENGTHS, PACK_P, PACK_N)
+    assert plan.segment_BpxC.shape == (1, PACK_P + PACK_N) and plan.segment_BpxC.max() == 4
+    cfg = dataclasses.replace(STUDENT, attention=attention)
+
+    @jax.jit
+    def packed_logits(params, tokens, plan):
+        return T.logits_from_hidden(params, packed_hidden(params, cfg, pack_tokens(tokens, plan), plan))
+
+    packed = np.asarray(packed_logits(params, tokens, plan))[0]
+    for i, ref in enumerate(alone):
+        cols = np.nonzero((plan.src_row_BpxC[0] == i) & (plan.segment_BpxC[0] > 0))[0]
+        assert len(cols) == len(seqs[i])
+        np.testing.assert_allclose(packed[cols], ref, rtol=0, atol=1e-5 * np.abs(ref).max())

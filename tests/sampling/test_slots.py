@@ -15,6 +15,7 @@ from jopd.sampling.config import SamplerShardings, SamplingConfig, row_randomnes
 from jopd.sampling.precision import PrecisionConfig
 from jopd.sampling.sampler import Sampler
 from jopd.sampling.slots import slot_iterations
+from tests.helpers.attention_entries import CHUNKED_SMALL
 from tests.helpers.tiny_params import numpy_params
 
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -61,15 +62,22 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_each_row_samples_as_in_the_static_engine_whatever_the_slot_count(setting):
+def with_attention(attention: str) -> ModelConfig:
+    """CFG ("auto": "xla" at these lengths), or CFG with "chunked" in blocks of 8 (the caches span several tiles,
+    and rows at different slots skip different ones)."""
+    return CFG if attention == "auto" else dataclasses.replace(CFG, attention=CHUNKED_SMALL)
+
+
+@pytest.mark.parametrize("setting,attention", [(s, "auto") for s in sorted(SETTINGS)] + [("top_p", "chunked")])
+def test_each_row_samples_as_in_the_static_engine_whatever_the_slot_count(setting, attention):
     sampling, precision, slot_counts = SETTINGS[setting]
     rows = prompts(13)
-    ref = Sampler(CFG, sampling, precision).generate(params(), rows, seed=5)
+    cfg = with_attention(attention)
+    ref = Sampler(cfg, sampling, precision).generate(params(), rows, seed=5)
     lengths = ref.lengths_B
     assert len(set(lengths.tolist())) > 3  # rows end at scattered steps: slots are refilled mid-run
-    for slots in slot_counts:
-        out = Sampler(CFG, dataclasses.replace(sampling, slots=slots), precision).generate(params(), rows, seed=5)
+    for slots in slot_counts if attention == "auto" else slot_counts[-1:]:  # "chunked": one count (a compile each)
+        out = Sampler(cfg, dataclasses.replace(sampling, slots=slots), precision).generate(params(), rows, seed=5)
         assert_same_samples(out, ref)
 
 
@@ -92,11 +100,13 @@ def test_a_prompts_samples_share_its_prefill_and_equal_separate_prefills():
         assert_same_samples(jax.device_get(out), separate)
 
 
-def test_a_rows_sample_does_not_depend_on_its_batch_mates():
+@pytest.mark.parametrize("attention", ["auto", "chunked"])
+def test_a_rows_sample_does_not_depend_on_its_batch_mates(attention):
     sampling = SamplingConfig(max_new_tokens=N, top_p=0.9, slots=3, stop_token_ids=STOP)
     rows = prompts(10, seed=4)
-    together = Sampler(CFG, sampling).generate(params(), rows, seed=1, first_index=100)
-    alone = Sampler(CFG, sampling).generate(params(), rows[6:7], seed=1, first_index=106)
+    cfg = with_attention(attention)
+    together = Sampler(cfg, sampling).generate(params(), rows, seed=1, first_index=100)
+    alone = Sampler(cfg, sampling).generate(params(), rows[6:7], seed=1, first_index=106)
     np.testing.assert_array_equal(alone.tokens_BxN[0], together.tokens_BxN[6])
 
 
