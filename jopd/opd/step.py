@@ -430,7 +430,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
     copy_fn = lagged_fn = None
     if lag:
-        copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=sh.student, out_shardings=sh.student)
+        copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(sh.student,), out_shardings=sh.student)
     if lag and cfg.train.mismatch == "exact":
         lagged = functools.partial(stale.lagged_logprobs, model_cfg=s_cfg, temperature=cfg.sampling.temperature,
                                    chunk=loss_cfg.chunk_size, dtype=dtype)
