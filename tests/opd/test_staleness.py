@@ -19,7 +19,7 @@ from jopd.models import transformer
 from jopd.opd.batch import sequence_layout
 from jopd.run.checkpoint import CheckpointConfig, Checkpointer
 from jopd.run.config import load_config
-from jopd.run.loop import build, train
+from jopd.run.loop import build
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,36 +45,71 @@ def _trainer_logprobs(params, cfg, rollout):
     return _log_softmax(np.asarray(logits)[:, S - N - 1:S - 1]), np.asarray(lay.response_mask_BxN)
 
 
-@pytest.mark.parametrize("k", [0, K])
-def test_step_t_samples_with_the_params_of_step_t_minus_k_and_the_split_is_exact(tmp_path, k):
-    steps = 4
-    path = write_tiny(tmp_path / "tiny.yaml", train={"steps": steps, "eval_problems": 8},
+def _config(tmp: Path, k: int, steps: int):
+    path = write_tiny(tmp / "tiny.yaml", train={"steps": steps, "eval_problems": 8, "eval_max_new_tokens": 4},
                       optim={"learning_rate": 3e-2, "warmup_steps": 0},  # params that move: stale rollouts differ
-                      rollout_precision={"logit_noise": 0.3})  # an engine part of its own
-    cfg = load_config(str(path), [f"train.cache_dir={tiny_cache()}", f"train.out_dir={tmp_path / 'out'}",
-                                  f"rollout.staleness={k}"])
-    run, state = build(cfg, log=lambda *_: None)
-    opd, data = run.step, train_iterator(cfg.data, run.tokenizer, kind="prompt")
-    assert hasattr(state, "policies") == (k > 0)
+                      rollout_precision={"logit_noise": 0.3},  # an engine part of its own
+                      checkpoint={"every": 2, "keep": 3, "async_save": True})
+    over = [f"train.cache_dir={tiny_cache()}", f"rollout.staleness={k}"]
+    return path, over, load_config(str(path), [*over, f"train.out_dir={tmp / 'straight'}"])
+
+
+def _steps(opd, state, teacher, data, start: int, stop: int):
+    """Steps start..stop-1 as the loop runs them; each step's params before it (theta_t), batch, rollout, metrics."""
     params, batches, rollouts, metrics = [], [], [], []
-    for t in range(steps):
-        params.append(jax.device_get(state.params))  # theta_t, before step t's update donates it
+    for t in range(start, stop):
+        params.append(jax.device_get(state.params))  # before step t's update donates them
         batches.append(next(data))
-        state, m, rollout = opd(state, run.teacher_params, batches[-1], t)
+        with jax.set_mesh(opd.mesh):
+            state, m, rollout = opd(state, teacher, batches[-1], t)
         rollouts.append(rollout)
         metrics.append({key: float(v) for key, v in jax.device_get(m).items()})
-    for t in range(steps):
-        v = max(t - k, 0)
+    return state, params, batches, rollouts, metrics
+
+
+def _sampled_by(opd, state, batch, t, params, v):
+    """What `params` (saved, theta_v) sample with step t's row seeds and step v's weight sync."""
+    with jax.set_mesh(opd.mesh):
+        again = opd.rollout(state, batch, t, jax.device_put(params, opd.shardings.student), v)
+    return np.asarray(again.sample.tokens_BxN)
+
+
+def _bits(state):
+    keys = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.tree.map(keys, jax.device_get(state)))]
+
+
+def test_staleness_0_samples_step_t_with_the_params_of_step_t(tmp_path):
+    _, _, cfg = _config(tmp_path, 0, 3)
+    run, state = build(cfg, log=lambda *_: None)
+    opd, data = run.step, train_iterator(cfg.data, run.tokenizer, kind="prompt")
+    assert not hasattr(state, "policies") and opd.copy_fn is None and opd.lagged_fn is None
+    state, params, batches, rollouts, metrics = _steps(opd, state, run.teacher_params, data, 0, 3)
+    for t in range(3):
+        assert not any(key.startswith(("rollout_lag", "mismatch_kl_")) for key in metrics[t])
         tokens = np.asarray(rollouts[t].sample.tokens_BxN)
-        # what the saved params of step v sample with step t's row seeds (and step v's weight sync)
-        again = opd.rollout(state, batches[t], t, jax.device_put(params[v], opd.shardings.student), v)
-        np.testing.assert_array_equal(np.asarray(again.sample.tokens_BxN), tokens)
-        if k == 0:
-            assert not any(key.startswith(("rollout_lag", "mismatch_kl_")) for key in metrics[t])
-            continue
-        if t >= k:  # the lag matters: step t's own params sample other tokens
-            now = opd.rollout(state, batches[t], t, jax.device_put(params[t], opd.shardings.student), t)
-            assert not np.array_equal(np.asarray(now.sample.tokens_BxN), tokens)
+        np.testing.assert_array_equal(_sampled_by(opd, state, batches[t], t, params[t], t), tokens)
+
+
+@pytest.mark.slow
+def test_staleness_k_reproducible_split_exact_and_sigkill_resume_bit_identical(tmp_path):
+    """k = 2, 6 steps: (1) step t's rollout is what the saved params of step t - k sample with step t's row seeds
+    (and differ from step t's own once the lag is real); (2) the logged mismatch split equals numpy's from the
+    sampler's log-softmax and two plain forwards, and its parts add up to mismatch_kl; (3) `jopd train` SIGKILLed
+    after its step-2 checkpoint (the reliability test's machinery, one kill) resumes from that checkpoint — the
+    window of past params restored with the state — to the straight run's final state, bit for bit."""
+    steps = 6
+    path, over, cfg = _config(tmp_path, K, steps)
+    run, state = build(cfg, log=lambda *_: None)  # trains and caches the tiny models before the subprocess
+    opd, data = run.step, train_iterator(cfg.data, run.tokenizer, kind="prompt")
+    assert len(state.policies) == K
+    final, params, batches, rollouts, metrics = _steps(opd, state, run.teacher_params, data, 0, steps)
+    for t in range(steps):
+        v = max(t - K, 0)
+        tokens = np.asarray(rollouts[t].sample.tokens_BxN)
+        np.testing.assert_array_equal(_sampled_by(opd, final, batches[t], t, params[v], v), tokens)
+        if t >= K:  # the lag matters: step t's own params sample other tokens
+            assert not np.array_equal(_sampled_by(opd, final, batches[t], t, params[t], t), tokens)
         m = metrics[t]
         assert m["rollout_lag"] == t - v
         # numpy's split: q the sampler's, r = the trainer at theta_v, p = the trainer at theta_t
@@ -89,8 +124,26 @@ def test_step_t_samples_with_the_params_of_step_t_minus_k_and_the_split_is_exact
         np.testing.assert_allclose(parts, m["mismatch_kl"], rtol=1e-4, atol=1e-7)
         if t == 0:
             assert m["mismatch_kl_staleness"] < 1e-6 and abs(m["mismatch_kl_cross"]) < 1e-6
-        elif t >= k:
+        elif t >= K:
             assert m["mismatch_kl_staleness"] > 1e-3  # a real lag, measured as such
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "jopd.cli", "train", str(path), *over, f"train.out_dir={out}"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while proc.poll() is None and time.time() < deadline and not (out / "checkpoints" / "2").is_dir():
+        time.sleep(0.005)  # step 2's checkpoint committed: a kill now lands mid-run
+    time.sleep(float(np.random.default_rng(0).uniform(0, 0.05)))
+    assert proc.poll() is None, "finished before the kill"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # what the loop does on a restart (`restore_latest` of the state and the Grain iterator), then its steps
+    with Checkpointer(CheckpointConfig(dir=str(out / "checkpoints"))) as ckpt:
+        restored = ckpt.restore_latest(opd.abstract_state(), train_iterator(cfg.data, run.tokenizer, kind="prompt"))
+    assert restored is not None and restored.step < steps
+    resumed = _steps(opd, restored.state, run.teacher_params, restored.iterator, restored.step, steps)[0]
+    assert _bits(resumed) == _bits(final)  # params, optimizer state, step, key and the window of past params
 
 
 @pytest.mark.parametrize("value, message", [
@@ -102,47 +155,3 @@ def test_bad_staleness_is_one_line_naming_the_field(tmp_path, value, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(str(path), [f"rollout.staleness={value}"])
     assert "\n" not in str(err.value)
-
-
-def _lines(path: Path) -> int:
-    return sum(1 for _ in path.open()) if path.exists() else 0
-
-
-@pytest.mark.slow
-def test_sigkill_then_resume_with_staleness_is_bit_identical(tmp_path):
-    """One SIGKILL at a random instant after the first checkpoint (the reliability test's machinery, smaller):
-    the resumed run's final state — params, optimizer, and the window of past params — equals a straight run's."""
-    steps = 6
-    path = write_tiny(tmp_path / "tiny.yaml", train={"steps": steps, "eval_problems": 8, "eval_max_new_tokens": 4},
-                      optim={"learning_rate": 3e-2, "warmup_steps": 0},
-                      checkpoint={"every": 2, "keep": 3, "async_save": True})
-    common = [f"train.cache_dir={tiny_cache()}", f"rollout.staleness={K}"]
-    straight = load_config(str(path), [*common, f"train.out_dir={tmp_path / 'straight'}"])
-    train(straight, log=lambda *_: None)
-
-    out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "jopd.cli", "train", str(path), *common, f"train.out_dir={out}"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 180
-    while proc.poll() is None and time.time() < deadline and _lines(out / "metrics.jsonl") < 4:
-        time.sleep(0.01)  # the eval line and steps 1-3 logged: step 2's checkpoint is on its way
-    time.sleep(float(np.random.default_rng(0).uniform(0, 0.2)))
-    assert proc.poll() is None, "finished before the kill"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    resumed = load_config(str(path), [*common, f"train.out_dir={out}"])
-    logs = []
-    train(resumed, log=logs.append)
-    assert any(line.startswith("resumed from") for line in logs)
-
-    finals = []
-    for cfg in (straight, resumed):
-        run, _ = build(cfg, log=lambda *_: None)
-        with Checkpointer(CheckpointConfig(dir=str(Path(cfg.train.out_dir) / "checkpoints"))) as ckpt:
-            finals.append(jax.device_get(ckpt.restore(steps, run.step.abstract_state()).state))
-    a, b = (jax.tree.leaves(jax.tree.map(lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(
-        x.dtype, jax.dtypes.prng_key) else x, f)) for f in finals)
-    assert len(a) == len(b) and len(finals[0].policies) == K
-    for x, y in zip(a, b):
-        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
