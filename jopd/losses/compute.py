@@ -233,8 +233,9 @@ def token_loss(
     with `teacher_head`: its `{"lm_head"}` or `{"embed"}` leaf, which projects them chunk by chunk);
     advantages (reinforce / grpo); reference log-probs (reinforce / grpo with kl_coef > 0); sampler log-probs
     of the targets (required by grpo and if is_mode != none, otherwise optional: mismatch and IS metrics); the
-    sampler's full log-softmax (optional: the exact mismatch_kl);
-    token_normalizer (optional denominator).
+    sampler's full log-softmax (optional: the exact mismatch_kl); the trainer's log-softmax with the rollout's
+    own (older) params (optional, with the sampler's: mismatch_kl_engine / _staleness / _cross, which add up to
+    mismatch_kl: `is_correction.staleness_split_BxT`); token_normalizer (optional denominator).
 
     Metrics: loss, num_tokens, divergence (mean unweighted per-token objective: truncated/full divergence,
     NLL for sft, sampled reverse-KL k1 for sampled_opd), target_logprob; topk_rkl adds topk_mass (student's

@@ -28,8 +28,9 @@ the one scored batch (GRPO), and keeps the REINFORCE running-mean baseline in th
 
 Randomness: step n's sampling draws are `row_randomness(rollout_seed(train.seed), global row ids)`, its
 weight-noise key `weight_sync_key(state.rng, n)`; both are pure functions of (seed, n), which is what makes a
-resumed run bit-identical. `state.step` counts steps (rollout batches), whatever `rl.inner_updates`; the
-optimizer counts its updates in its own state.
+resumed run bit-identical. With `rollout.staleness` = k > 0 (`opd.staleness`) step n samples with the params
+of step n - k, held in the train state's window, synced with step n - k's weight-noise key. `state.step`
+counts steps (rollout batches), whatever `rl.inner_updates`; the optimizer counts its updates in its own state.
 """
 
 from __future__ import annotations

@@ -75,8 +75,9 @@ def _sampled_by(opd, state, batch, t, params, v):
 
 
 def _bits(state):
-    keys = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.tree.map(keys, jax.device_get(state)))]
+    def raw(x):  # a typed PRNG key as its key data
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.tree.map(raw, jax.device_get(state)))]
 
 
 def test_staleness_0_samples_step_t_with_the_params_of_step_t(tmp_path):
@@ -155,3 +156,21 @@ def test_bad_staleness_is_one_line_naming_the_field(tmp_path, value, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(str(path), [f"rollout.staleness={value}"])
     assert "\n" not in str(err.value)
+
+
+def test_split_parts_add_up_to_the_exact_kl_and_vanish_where_they_should():
+    from jopd.losses.is_correction import exact_kl_BxT, staleness_split_BxT
+
+    rng = np.random.default_rng(0)
+    logits_q, logits_r, logits_p = (rng.normal(0, 2, (2, 3, 11)).astype(np.float32) for _ in range(3))
+    log_q, log_r = _log_softmax(logits_q).astype(np.float32), _log_softmax(logits_r).astype(np.float32)
+    split = {k: np.asarray(v, np.float64) for k, v in staleness_split_BxT(log_q, log_r, logits_p / 0.7, 1.0).items()}
+    log_p = _log_softmax(logits_p / 0.7)
+    np.testing.assert_allclose(split["engine"], _kl(log_q, log_r), rtol=1e-5)
+    np.testing.assert_allclose(split["staleness"], _kl(log_r, log_p), rtol=1e-5)
+    total = np.asarray(exact_kl_BxT(log_q, logits_p, 0.7), np.float64)
+    np.testing.assert_allclose(split["engine"] + split["staleness"] + split["cross"], total, rtol=1e-5)
+    same_engine = staleness_split_BxT(log_q, log_q, logits_p, 1.0)  # q = r: all of it is staleness
+    assert float(np.abs(same_engine["engine"]).max()) < 1e-6 and float(np.abs(same_engine["cross"]).max()) < 1e-6
+    no_lag = staleness_split_BxT(log_q, log_r, logits_r, 1.0)  # r = p: all of it is engine
+    assert float(np.abs(no_lag["staleness"]).max()) < 1e-6 and float(np.abs(no_lag["cross"]).max()) < 1e-6
