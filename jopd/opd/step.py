@@ -317,6 +317,7 @@ class OPDStep:
                 a = rollout.arrays
                 log_r = self.lagged_fn(policy, a.prompt_BxP, a.prompt_mask_BxP, a.sample.tokens_BxN, a.sample.lengths_B)
                 train_batch = stale.with_lagged_logprobs(train_batch, log_r)
+            del policy  # the window's oldest copy: freed once the sampler (and r) are done, not held through the update
             state = stale.advance(state, self.copy_fn(state.params))  # before the update donates them
         history = []
         for i in range(self.cfg.rl.inner_updates):
