@@ -8,7 +8,7 @@ nothing under jit and needs no sharding.
 With `compact` set (packed sequences, `jopd.opd.packing`), the fields a kind reads per chunk (its
 `Objective.chunk_fields` and `support_mask_BxTxK`) are in the compact layout [Q, Cq, ...] of the response
 positions; every other field stays in the padded response layout [B, T, ...] (`targets_BxT` and
-`sampler_full_logprobs_BxTxV` are moved to the compact layout inside the loss).
+`sampler_full_logprobs_BxTxV` / `lagged_full_logprobs_BxTxV` are moved to the compact layout inside the loss).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ class LossBatch:
     teacher_hidden_BxTxD: Float[Array, "B T D"] | None = None
     sampler_logprobs_BxT: Float[Array, "B T"] | None = None  # log q(target) from the rollout engine
     sampler_full_logprobs_BxTxV: Float[Array, "B T V"] | None = None  # the sampler's log-softmax (exact mismatch)
+    # the trainer's log-softmax with the rollout's own params (`rollout.staleness` > 0, exact mismatch): what
+    # splits the mismatch into its staleness and engine parts (`is_correction.staleness_split_BxT`)
+    lagged_full_logprobs_BxTxV: Float[Array, "B T V"] | None = None
     advantages_BxT: Float[Array, "B T"] | None = None  # per-token advantages (RL kinds)
     reference_logprobs_BxT: Float[Array, "B T"] | None = None  # log pi_ref(target), frozen reference (KL term)
     # A teacher with another tokenizer (`opd.cross_teacher`): aligned spans, K = T slots (a span holds >= 1

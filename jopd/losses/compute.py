@@ -32,7 +32,7 @@ from jopd.losses.batch import LossBatch
 from jopd.losses.chunked import chunked_logits_map
 from jopd.losses.config import LossConfig
 from jopd.losses.is_correction import (exact_kl_BxT, importance_ratio, importance_weights, is_metrics,
-                                      mismatch_estimators)
+                                      mismatch_estimators, staleness_split_BxT)
 from jopd.losses.kinds import OBJECTIVES, Metrics
 from jopd.losses.layout import compact_chunk, from_compact, to_compact
 from jopd.losses.masks import loss_mask, masked_mean, masked_sum
@@ -66,6 +66,10 @@ def _chunk_terms(cfg: LossConfig, teacher_head, logits_BxCxV: jax.Array, inp: Ma
     if "sampler_full_logprobs_BxTxV" in inp:  # exact mismatch KL(sampler || trainer), full vocab, no gradient
         # the lab's formula (`jopd mismatch` computes the same outside the step); logits are already at temperature
         out["mismatch_kl"] = exact_kl_BxT(inp["sampler_full_logprobs_BxTxV"], jax.lax.stop_gradient(logits))
+        if "lagged_full_logprobs_BxTxV" in inp:  # rollout.staleness > 0: its engine / staleness / cross parts
+            split = staleness_split_BxT(inp["sampler_full_logprobs_BxTxV"], inp["lagged_full_logprobs_BxTxV"],
+                                        jax.lax.stop_gradient(logits))
+            out |= {f"mismatch_kl_{k}": v for k, v in split.items()}
     return out
 
 
@@ -80,9 +84,10 @@ def compact_fields(cfg: LossConfig) -> tuple[str, ...]:
 def _chunk_inputs(cfg: LossConfig, batch: LossBatch) -> dict[str, jax.Array]:
     """The fields the chunked map slices: the targets, the kind's own, and the sampler's full log-softmax when
     present; a packed batch's in the compact layout (the targets and the sampler's moved there now)."""
-    inp = batch.select(("targets_BxT",) + compact_fields(cfg) + ("sampler_full_logprobs_BxTxV",))
+    full = ("sampler_full_logprobs_BxTxV", "lagged_full_logprobs_BxTxV")
+    inp = batch.select(("targets_BxT",) + compact_fields(cfg) + full)
     if batch.compact is not None:
-        for name in ("targets_BxT", "sampler_full_logprobs_BxTxV"):
+        for name in ("targets_BxT",) + full:
             if name in inp:
                 inp[name] = to_compact(inp[name], batch.compact)
     return inp
@@ -168,8 +173,8 @@ def _reduce(cfg: LossConfig, terms: Mapping[str, jax.Array], batch: LossBatch) -
     teacher_lp = batch.teacher_target_logprobs_BxT
     if teacher_lp is not None:  # sampled estimate (k1) of KL(student || teacher) on the rollouts
         metrics["teacher_kl_k1"] = masked_mean(logp_sg - teacher_lp.astype(jnp.float32), mask)
-    if "mismatch_kl" in terms:  # averaged over response tokens (special tokens included): docs/architecture.md
-        metrics["mismatch_kl"] = masked_mean(terms["mismatch_kl"], batch.response_mask_BxT.astype(bool))
+    for name in [k for k in terms if k.startswith("mismatch_kl")]:  # averaged over response tokens (special
+        metrics[name] = masked_mean(terms[name], batch.response_mask_BxT.astype(bool))  # included): architecture.md
 
     loss = masked_sum(weights * per_position, mask) / denom
     metrics["loss"] = loss
@@ -228,8 +233,9 @@ def token_loss(
     with `teacher_head`: its `{"lm_head"}` or `{"embed"}` leaf, which projects them chunk by chunk);
     advantages (reinforce / grpo); reference log-probs (reinforce / grpo with kl_coef > 0); sampler log-probs
     of the targets (required by grpo and if is_mode != none, otherwise optional: mismatch and IS metrics); the
-    sampler's full log-softmax (optional: the exact mismatch_kl);
-    token_normalizer (optional denominator).
+    sampler's full log-softmax (optional: the exact mismatch_kl); the trainer's log-softmax with the rollout's
+    own (older) params (optional, with the sampler's: mismatch_kl_engine / _staleness / _cross, which add up to
+    mismatch_kl: `is_correction.staleness_split_BxT`); token_normalizer (optional denominator).
 
     Metrics: loss, num_tokens, divergence (mean unweighted per-token objective: truncated/full divergence,
     NLL for sft, sampled reverse-KL k1 for sampled_opd), target_logprob; topk_rkl adds topk_mass (student's

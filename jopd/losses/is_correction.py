@@ -119,3 +119,21 @@ def exact_kl_BxT(sampler_logprobs_BxTxV: Float[Array, "B T V"], trainer_logits_B
     # q == 0 terms contribute 0 (and log_q may be -inf there); KL >= 0, but identical engines round to ±1e-10
     kl = jnp.sum(jnp.where(q > 0, q * (log_q - log_p), 0.0), axis=-1)
     return jnp.maximum(kl, 0.0)
+
+
+def staleness_split_BxT(sampler_logprobs_BxTxV: Float[Array, "B T V"], lagged_logprobs_BxTxV: Float[Array, "B T V"],
+                        trainer_logits_BxTxV: Float[Array, "B T V"], temperature: float = 1.0
+                        ) -> dict[str, Float[Array, "B T"]]:
+    """The exact mismatch KL(q || p) of `exact_kl_BxT` split per position, with r = the trainer's numerics at the
+    sampler's (older) params: engine = KL(q || r) (the engine's numerics at the same params), staleness =
+    KL(r || p) (the trainer's numerics at both: params n-k vs n), cross = sum_v (q - r)(log r - log p). The three
+    add up to KL(q || p) exactly (to rounding and the clamp at 0 of the two KLs); cross is 0 when q = r or r = p.
+    q: the sampler's log-softmax, r: a log-softmax, p = softmax(trainer_logits / temperature); fp32."""
+    log_q = sampler_logprobs_BxTxV.astype(jnp.float32)
+    log_r = lagged_logprobs_BxTxV.astype(jnp.float32)
+    log_p = jax.nn.log_softmax(trainer_logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
+    q, r = jnp.exp(log_q), jnp.exp(log_r)
+    engine = jnp.sum(jnp.where(q > 0, q * (log_q - log_r), 0.0), axis=-1)
+    staleness = jnp.sum(jnp.where(r > 0, r * (log_r - log_p), 0.0), axis=-1)
+    cross = jnp.sum((q - r) * (log_r - log_p), axis=-1)
+    return {"engine": jnp.maximum(engine, 0.0), "staleness": jnp.maximum(staleness, 0.0), "cross": cross}

@@ -28,8 +28,9 @@ the one scored batch (GRPO), and keeps the REINFORCE running-mean baseline in th
 
 Randomness: step n's sampling draws are `row_randomness(rollout_seed(train.seed), global row ids)`, its
 weight-noise key `weight_sync_key(state.rng, n)`; both are pure functions of (seed, n), which is what makes a
-resumed run bit-identical. `state.step` counts steps (rollout batches), whatever `rl.inner_updates`; the
-optimizer counts its updates in its own state.
+resumed run bit-identical. With `rollout.staleness` = k > 0 (`opd.staleness`) step n samples with the params
+of step n - k, held in the train state's window, synced with step n - k's weight-noise key. `state.step`
+counts steps (rollout batches), whatever `rl.inner_updates`; the optimizer counts its updates in its own state.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from jopd.opd.shardings import StepShardings, step_shardings
 from jopd.opd.rewards import RLTrainState
 from jopd.opd.student_loss import rollout_loss_fn
 from jopd.opd.scoring import score_rollout
+from jopd.opd import staleness as stale
 from jopd.opd.train_state import TrainState, inner_update_metrics, make_train_step, new_train_state
 from jopd import parallel as meshlib
 from jopd.parallel.distributed import host_local_to_global
@@ -144,6 +146,11 @@ class OPDStep:
     # aligned to it on the host), None when it scores the student's tokens (always None with it off)
     cross: tuple[CrossTeacher | None, ...]
     routing: routinglib.Routing  # which teacher scores which rows (one teacher: a routing of one)
+    # rollout.staleness > 0 (`opd.staleness`): jit params -> a copy of them (trainer layout; enters the window)
+    copy_fn: Any = None
+    # ... and with train.mismatch=exact, jit (params, prompt, mask, tokens, lengths) -> the trainer's [B, N, V]
+    # log-softmax with the rollout's own params (the staleness split's r)
+    lagged_fn: Any = None
 
     # -- sizes ------------------------------------------------------------------------------------------
 
@@ -175,6 +182,11 @@ class OPDStep:
         return student_compute_dtype(self.cfg)
 
     @property
+    def staleness(self) -> int:
+        """k: step n samples with the params of step n - k (`rollout.staleness`)."""
+        return self.cfg.rollout.staleness
+
+    @property
     def uses_reference(self) -> bool:
         """score needs the frozen reference's params (RL kinds with loss.kl_coef > 0)."""
         return needs_reference(self.loss_cfg)
@@ -202,7 +214,7 @@ class OPDStep:
         dtype = DTYPES[self.cfg.student.dtype]
         params = transformer.abstract_params(self.student_cfg, dtype)
         shapes = jax.eval_shape(lambda p: _initial_state(p, self.optimizer, jax.random.key(0),
-                                                         self.uses_running_baseline), params)
+                                                         self.uses_running_baseline, self.staleness), params)
         return meshlib.sharded_abstract(shapes, self.shardings.state)
 
     def place_reference(self, params):
@@ -219,9 +231,12 @@ class OPDStep:
 
     # -- the step ---------------------------------------------------------------------------------------
 
-    def rollout(self, state: TrainState, batch: dict[str, np.ndarray], step: int) -> Rollout:
+    def rollout(self, state: TrainState, batch: dict[str, np.ndarray], step: int, policy=None,
+                policy_step: int | None = None) -> Rollout:
         """Weight sync, then the sampler on this process's rows of the prompt batch (Grain's dict): G =
-        `rollouts_per_prompt` samples of each prompt (rows r*G .. r*G+G-1), its prefill shared."""
+        `rollouts_per_prompt` samples of each prompt (rows r*G .. r*G+G-1), its prefill shared. `policy`: the
+        params to sample with (trainer layout; default `state.params`), synced with the weight-noise key of
+        `policy_step` (default `step`); the row randomness is always step `step`'s."""
         G, shared = self.rollouts_per_prompt, self.prefill_group
         local_prompts = batch["prompt_tokens"].shape[0]
         if self.routing.mode == "task":  # each shard's rows teacher by teacher
@@ -229,7 +244,8 @@ class OPDStep:
             batch = {k: v[order] for k, v in batch.items()}
         batch = rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
         local_rows = local_prompts * G
-        sampler_params = self.sync_fn(state.params, weight_sync_key(state.rng, step))
+        policy, policy_step = (state.params, step) if policy is None else (policy, policy_step)
+        sampler_params = self.sync_fn(policy, weight_sync_key(state.rng, policy_step))
         first = step * local_rows * jax.process_count() + jax.process_index() * local_rows
         rand = row_randomness(rollout_seed(self.cfg.train.seed), first + np.arange(local_rows),
                               self.sampler.sampling.max_new_tokens)
@@ -294,9 +310,22 @@ class OPDStep:
     def __call__(self, state: TrainState, teacher_params, batch: dict[str, np.ndarray], step: int,
                  reference_params=None):
         """rollout -> score -> `rl.inner_updates` updates on the scored batch, dispatched back to back.
-        Returns (state, metrics, rollout); metrics as `inner_update_metrics`."""
-        rollout = self.rollout(state, batch, step)
-        train_batch = self.score(teacher_params, rollout, reference_params)
+        Returns (state, metrics, rollout); metrics as `inner_update_metrics`. With `rollout.staleness` = k > 0
+        the rollout samples with the window's oldest params (step n - k's), the staleness split is measured
+        (train.mismatch=exact), this step's params enter the window, and `rollout_lag` is logged."""
+        if not self.staleness:
+            rollout = self.rollout(state, batch, step)
+            train_batch = self.score(teacher_params, rollout, reference_params)
+        else:
+            version, policy = stale.policy_step(step, self.staleness), state.policies[0]
+            rollout = self.rollout(state, batch, step, policy, version)
+            train_batch = self.score(teacher_params, rollout, reference_params)
+            if self.lagged_fn is not None:
+                a = rollout.arrays
+                log_r = self.lagged_fn(policy, a.prompt_BxP, a.prompt_mask_BxP, a.sample.tokens_BxN, a.sample.lengths_B)
+                train_batch = stale.with_lagged_logprobs(train_batch, log_r)
+            del policy  # the window's oldest copy: freed once the sampler (and r) are done, not held through the update
+            state = stale.advance(state, self.copy_fn(state.params))  # before the update donates them
         history = []
         for i in range(self.cfg.rl.inner_updates):
             if i:  # XLA:CPU can deadlock two queued programs' collectives (8 simulated devices): one at a time
@@ -307,7 +336,10 @@ class OPDStep:
             state = state.replace(step=state.step - (len(history) - 1))
         if rollout.reward_ema is not None:
             state = state.replace(reward_ema=jax.device_put(rollout.reward_ema, self.shardings.state.reward_ema))
-        return state, inner_update_metrics(history), rollout
+        metrics = inner_update_metrics(history)
+        if self.staleness:
+            metrics = dict(metrics, rollout_lag=np.float32(step - version))
+        return state, metrics, rollout
 
     # -- host helpers -----------------------------------------------------------------------------------
 
@@ -348,10 +380,13 @@ class OPDStep:
         return r, a, ema
 
 
-def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool
-                   ) -> TrainState:
+def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool,
+                   staleness: int = 0) -> TrainState:
     state = new_train_state(params, optimizer, rng)
-    return RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32)) if running_baseline else state
+    if running_baseline:
+        state = RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32))
+    # the window before step 0: k copies of the initial params (steps 0 .. k-1 sample with them)
+    return stale.with_policies(state, (params,) * staleness) if staleness else state
 
 
 def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
@@ -400,9 +435,17 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     G = rollouts_per_prompt(cfg)
     repeat_fn = jax.jit(lambda *xs: tuple(jnp.repeat(x, G, axis=0) for x in xs), in_shardings=batch,
                         out_shardings=batch)
-    init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running),
+    lag = cfg.rollout.staleness
+    init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running, lag),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
+    copy_fn = lagged_fn = None
+    if lag:
+        copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(sh.student,), out_shardings=sh.student)
+    if lag and cfg.train.mismatch == "exact":
+        lagged = functools.partial(stale.lagged_logprobs, model_cfg=s_cfg, temperature=cfg.sampling.temperature,
+                                   chunk=loss_cfg.chunk_size, dtype=dtype)
+        lagged_fn = jax.jit(lagged, in_shardings=(sh.student,) + (batch,) * 4, out_shardings=batch)
     return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfgs=t_cfgs, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
                    optimizer=optimizer, shardings=sh, sampler=sampler, tokenizer=tokenizer, sync_fn=sync_fn,
                    score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn, cross=cross,
-                   routing=routing)
+                   routing=routing, copy_fn=copy_fn, lagged_fn=lagged_fn)

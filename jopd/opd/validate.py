@@ -52,6 +52,10 @@ def check_run(cfg: "RunConfig") -> None:
     if cfg.train.pack and cfg.optim.grad_accum_steps > 1:
         raise ConfigError(f"train.pack: not with optim.grad_accum_steps={cfg.optim.grad_accum_steps} (a packed row "
                           f"holds several rollouts; micro-batches would split its packing)")
+    lag = cfg.rollout.staleness
+    if lag and lag >= cfg.train.steps:
+        raise ConfigError(f"rollout.staleness={lag}: must be below train.steps={cfg.train.steps} (every step would "
+                          f"sample with the initial parameters)")
     if cfg.train.probe_every and objective.cross_tokenizer is not None:
         raise ConfigError(f"train.probe_every: the probe feeds the teacher the student's token ids; not with "
                           f"loss.kind={cfg.loss.kind} (a teacher with another tokenizer)")

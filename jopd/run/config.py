@@ -24,6 +24,7 @@ from jopd.models.attention import check_attention_name
 from jopd.models.families import FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
+from jopd.opd.staleness import RolloutConfig
 from jopd.opd.validate import check_run
 from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PrecisionConfig
@@ -171,6 +172,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     sampling: SamplingConfig = SamplingConfig()
     rollout_precision: PrecisionConfig = PrecisionConfig()
+    rollout: RolloutConfig = RolloutConfig()  # how stale the rollouts may be (`opd.staleness`)
     loss: LossConfig = LossConfig()
     rl: RLConfig = RLConfig()  # the RL kinds' advantages and rollout reuse (their per-token settings: loss.*)
     optim: OptimConfig = OptimConfig()
