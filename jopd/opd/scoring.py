@@ -124,7 +124,9 @@ def score_rollout(teacher_params: tuple[Any, ...], rollout: RolloutArrays, refer
                      sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
                      advantages_BxT=advantages, reference_logprobs_BxT=reference,
                      compact=None if plan is None else plan.compact, **teacher)
+    experts = sample.expert_ids_BxSxLsxk  # a MoE student's recorded routing (padded layout, packed in the update)
     if plan is None:
-        return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)
+        return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss,
+                          sampler_experts_BxSxLsxk=experts)
     return TrainBatch(tokens_BxS=pack_tokens(layout.tokens_BxS, plan), attn_mask_BxS=plan.segment_BpxC > 0,
-                      loss=loss, plan=plan)
+                      loss=loss, plan=plan, sampler_experts_BxSxLsxk=experts)

@@ -361,6 +361,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     validate.check_cross(cfg, cross)
     cross = (None,) * len(cfg.teacher_sources()) if cross is None else cross
     validate.check_teacher_tuples(cfg, s_cfg, t_cfgs, cross)
+    validate.check_routing_replay(cfg, s_cfg)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)
@@ -369,8 +370,10 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
 
     # the union support takes the student's top-K ids from the sampler, where its logits already exist
     union = loss_cfg.support == "union" or objective.student_support
+    # a mixture-of-experts student's sampler records its routing: the flip metrics, and routing replay
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
-                                   return_topk=loss_cfg.top_k if union else 0)
+                                   return_topk=loss_cfg.top_k if union else 0,
+                                   return_routing=cfg.sampling.return_routing or bool(s_cfg.sparse_layers))
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
                       shardings=SamplerShardings(params=sh.sampler_params, batch=batch, cache=sh.cache))
     routing = routinglib.resolve_routing(cfg, rollouts_per_prompt(cfg), sampler.shards)
@@ -385,7 +388,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
-    loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
+    loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat, routing_replay=cfg.train.routing_replay)
     in_sh = (sh.state, batch) + ((head_params(sh.teacher[routing.scorer]),) if objective.reads_teacher_head else ())
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
                         in_shardings=in_sh, out_shardings=(sh.state, None), donate_argnums=0)
