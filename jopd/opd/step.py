@@ -383,12 +383,13 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     dtype = DTYPES[cfg.student.dtype]
     tables = tuple(None if c is None else c.table for c in cross)
     score = functools.partial(score_rollout, teacher_cfgs=t_cfgs, student_cfg=s_cfg, loss_cfg=loss_cfg,
-                              is_logprobs=cfg.train.is_logprobs, dtype=dtype, routing=routing, cross_tables=tables)
+                              is_logprobs=cfg.train.is_logprobs, dtype=dtype, routing=routing, cross_tables=tables,
+                              routing_replay=cfg.train.routing_replay)
     # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
-    loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat, routing_replay=cfg.train.routing_replay)
+    loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
     in_sh = (sh.state, batch) + ((head_params(sh.teacher[routing.scorer]),) if objective.reads_teacher_head else ())
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
                         in_shardings=in_sh, out_shardings=(sh.state, None), donate_argnums=0)

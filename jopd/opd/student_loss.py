@@ -20,8 +20,7 @@ from jopd.models.moe import expert_set_flips
 from jopd.opd.packing import compact_hidden, pack_positions, packed_hidden
 
 
-def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.float32, remat: bool = False,
-                    routing_replay: bool = False):
+def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.float32, remat: bool = False):
     """OPD / RL objective on a `TrainBatch` (prompt + response, response-aligned loss fields). Only the
     positions that predict response tokens are projected to logits: the N slots of each padded row, or, for
     packed rows, the real response tokens alone. `remat`: recompute each layer in the backward pass (see
@@ -29,18 +28,19 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
     teacher's hidden states chunk by chunk (`Objective.reads_teacher_head`).
 
     A batch with the sampler's routing (`TrainBatch.sampler_experts_BxSxLsxk`, a mixture-of-experts student) adds
-    the routing-flip metrics (`routing_flip_metrics`); with `routing_replay` the forward runs the sampler's experts
-    (`transformer.forward`'s `replay_experts_LsxBxTxk`), so the loss, its gradient and `mismatch_kl` are the
-    replayed forward's."""
+    the routing-flip metrics (`routing_flip_metrics`), and its rows marked `replay_B` run the sampler's experts
+    (`transformer.forward`'s `replay_experts_LsxBxTxk`; the others -1, their routers' own choice), so their loss,
+    its gradient and `mismatch_kl` are the replayed forward's."""
 
     def loss_fn(params, batch: TrainBatch, teacher_head=None):
         recorded = batch.sampler_experts_BxSxLsxk  # [B, S, Ls, k] or None (a dense student)
-        if recorded is not None and batch.plan is not None:  # in the packed rows' layout
-            recorded = pack_positions(recorded, batch.plan, -1)
-        recorded = None if recorded is None else jnp.moveaxis(recorded, 2, 0)  # [Ls, B, S, k]: the forward's layout
-        if routing_replay and recorded is None:
-            raise ValueError("train.routing_replay: the batch holds no sampler routing (a dense student?)")
-        routed, replay = recorded is not None, recorded if routing_replay else None
+        replay = None
+        if recorded is not None:
+            replay = jnp.where(batch.replay_B[:, None, None, None], recorded, jnp.asarray(-1, recorded.dtype))
+            if batch.plan is not None:  # in the packed rows' layout
+                recorded, replay = (pack_positions(x, batch.plan, -1) for x in (recorded, replay))
+            recorded, replay = (jnp.moveaxis(x, 2, 0) for x in (recorded, replay))  # [Ls, B, S, k]: the forward's
+        routed = recorded is not None
         if batch.plan is not None:  # packed rows: the hidden states that predict response tokens, compact
             hidden, *own = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat,
                                          return_routing=routed, replay_experts_LsxBpxCxk=replay)
@@ -49,12 +49,11 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
         else:
             hidden, _, *own = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg,
                                                   attn_mask_BxT=batch.attn_mask_BxS, dtype=dtype, return_hidden=True,
-                                                  remat=remat, return_routing=routed,
-                                                  replay_experts_LsxBxTxk=replay)
+                                                  remat=remat, return_routing=routed, replay_experts_LsxBxTxk=replay)
             S, N = batch.tokens_BxS.shape[1], batch.n_response
             loss, metrics = token_loss(loss_cfg, params, model_cfg, hidden[:, S - N - 1:S - 1], batch.loss,
                                        dtype=dtype, teacher_head=teacher_head)
-        if recorded is not None:
+        if routed:
             metrics = metrics | routing_flip_metrics(own[0], recorded)
         return loss, metrics
 

@@ -208,3 +208,72 @@ def test_int8_rollout_weights_quantize_each_expert_and_keep_the_router(mlp_only_
             w = np.asarray(lp[name], np.float64)  # [E, in, out]
             scale = np.abs(w).max(axis=1, keepdims=True) / 127.0
             np.testing.assert_allclose(qp[name], np.round(w / scale) * scale, rtol=1e-5, atol=1e-7)
+
+
+def test_replayed_experts_run_with_the_routers_probabilities_at_them():
+    """Routing replay in one sparse layer (`moe.sparse_mlp`'s `replay_BxTxk`) against a numpy hand computation: each
+    token runs exactly the forced experts, weighted by the router's softmax at them renormalized over them
+    (norm_topk_prob), and the router's gradient (analytic: d w_j / d l_e = w_j (1[e = j] - w_e) on the forced set)
+    reaches the forced experts' columns although the router ranks them last, and not its own top-k's (which did
+    not run). All -1 (no replay) is the router's own choice bit for bit."""
+    rng = np.random.default_rng(3)
+    N, D, I, E, k = 6, 5, 4, 4, 2
+    cfg = ModelConfig(family="qwen3_moe", hidden_size=D, qk_norm=True, num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=I, norm_topk_prob=True)
+    u = rng.normal(size=D)
+    u /= np.linalg.norm(u)
+    h = rng.uniform(1.0, 2.0, (N, 1)) * u + 0.05 * rng.normal(size=(N, D))  # every token's top-2 is {0, 1}
+    lp = {"router": np.outer(u, [3.0, 2.5, -2.5, -3.0]) + 0.1 * rng.normal(size=(D, E)),
+          "expert_gate": rng.normal(size=(E, D, I)), "expert_up": rng.normal(size=(E, D, I)),
+          "expert_down": rng.normal(size=(E, I, D))}
+    forced = np.array([[2, 3], [3, 2]] * (N // 2))  # the two experts the router ranks last, in either order
+    probe = rng.normal(size=(N, D))
+
+    # numpy, float64
+    logits = h @ lp["router"]
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    assert np.all(np.sort(np.argsort(-probs, 1)[:, :k], 1) == [0, 1])
+    w = np.take_along_axis(probs, forced, 1)
+    w /= w.sum(1, keepdims=True)
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    y_Nxk = np.stack([[silu(h[n] @ lp["expert_gate"][e]) * (h[n] @ lp["expert_up"][e]) @ lp["expert_down"][e]
+                       for e in forced[n]] for n in range(N)])  # [N, k, D]
+    y_ref = np.einsum("nk,nkd->nd", w, y_Nxk)
+    g = np.einsum("nd,nkd->nk", probe, y_Nxk)  # d L / d w
+    W = np.zeros((N, E))
+    np.put_along_axis(W, forced, w, 1)
+    dlogits = np.zeros((N, E))
+    for j in range(k):
+        onehot = np.zeros((N, E))
+        np.put_along_axis(onehot, forced[:, j:j + 1], 1.0, 1)
+        dlogits += (g[:, j] * w[:, j])[:, None] * (onehot - W)
+    grad_router_ref = h.T @ dlogits
+
+    h32, probe32 = jnp.asarray(h[None], jnp.float32), jnp.asarray(probe[None], jnp.float32)
+    lp32 = {name: jnp.asarray(a, jnp.float32) for name, a in lp.items()}
+
+    @jax.jit
+    def run(lp, replay):
+        def loss(lp):
+            y, own = moe.sparse_mlp(cfg, lp, h32, jnp.float32, replay)
+            return jnp.sum(probe32 * y), (y, own)
+        return jax.grad(loss, has_aux=True)(lp)
+
+    grads, (y, own) = run(lp32, jnp.asarray(forced[None], jnp.int32))
+    np.testing.assert_allclose(np.asarray(y)[0], y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.sort(np.asarray(own)[0], 1), np.tile([0, 1], (N, 1)))  # what it would pick
+    np.testing.assert_allclose(grads["router"], grad_router_ref, rtol=1e-4, atol=1e-6)
+    col = np.linalg.norm(np.asarray(grads["router"]), axis=0)
+    # the forced experts' columns only (analytically 0 for the others: the renormalization cancels the softmax's
+    # denominator; in fp32 a rounding residue)
+    assert np.all(col[2:] > 0.1) and np.all(col[:2] < 1e-5 * col[2:].min())
+    assert float(np.abs(np.asarray(grads["expert_up"])[:2]).max()) == 0.0  # the router's own picks never ran
+
+    free = jax.jit(jax.grad(lambda lp: jnp.sum(probe32 * moe.sparse_mlp(cfg, lp, h32, jnp.float32)[0])))(lp32)
+    col = np.linalg.norm(np.asarray(free["router"]), axis=0)
+    assert np.all(col[:2] > 0.1) and np.all(col[2:] < 1e-5 * col[:2].min())  # without replay: the opposite columns
+    grads_none, (y_none, _) = run(lp32, jnp.full((1, N, k), -1, jnp.int32))  # -1: the router's own choice
+    y_free = moe.sparse_mlp(cfg, lp32, h32, jnp.float32)[0]
+    np.testing.assert_array_equal(np.asarray(y_none), np.asarray(jax.jit(lambda: y_free)()))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), grads_none, free)
