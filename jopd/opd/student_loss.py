@@ -42,8 +42,9 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
             recorded, replay = (jnp.moveaxis(x, 2, 0) for x in (recorded, replay))  # [Ls, B, S, k]: the forward's
         routed = recorded is not None
         if batch.plan is not None:  # packed rows: the hidden states that predict response tokens, compact
-            hidden, *own = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat,
-                                         return_routing=routed, replay_experts_LsxBpxCxk=replay)
+            out = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat,
+                                return_routing=routed, replay_experts_LsxBpxCxk=replay)
+            hidden, *own = out if routed else (out,)
             loss, metrics = token_loss(loss_cfg, params, model_cfg, compact_hidden(hidden, batch.plan), batch.loss,
                                        dtype=dtype, teacher_head=teacher_head)
         else:
