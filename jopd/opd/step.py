@@ -373,7 +373,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     # a mixture-of-experts student's sampler records its routing: the flip metrics, and routing replay
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
                                    return_topk=loss_cfg.top_k if union else 0,
-                                   return_routing=cfg.sampling.return_routing or bool(s_cfg.sparse_layers))
+                                   return_routing=bool(s_cfg.sparse_layers))
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
                       shardings=SamplerShardings(params=sh.sampler_params, batch=batch, cache=sh.cache))
     routing = routinglib.resolve_routing(cfg, rollouts_per_prompt(cfg), sampler.shards)

@@ -110,6 +110,46 @@ def test_sampler_logprobs_match_transformers(tmp_path):
     np.testing.assert_array_equal(toks, np.argmax(np.asarray(ref), -1))  # greedy generation agrees too
 
 
+def test_replayed_routing_through_the_forward_matches_transformers_with_its_router_forced(tmp_path):
+    """`transformer.forward(..., replay_experts_LsxBxTxk=...)` on a mixed schedule (sparse, dense, sparse: the
+    unrolled layers) against transformers with every router's choice replaced by the same forced experts (a forward
+    hook) and the gate weights its own softmax at them, renormalized: the logits agree, the forward returns each
+    router's own choice, and -1 keeps it."""
+    model = _checkpoint("mixed", tmp_path)
+    cfg, params = io.load_params(tmp_path)
+    toks, mask = right_padded_batch(cfg.vocab_size)
+    B, T_ = toks.shape
+    E, k, Ls = cfg.num_experts, cfg.num_experts_per_tok, len(cfg.sparse_layers)
+    rng = np.random.default_rng(4)
+    forced = np.stack([[[rng.choice(E, k, replace=False) for _ in range(T_)] for _ in range(B)]
+                       for _ in range(Ls)]).astype(np.int32)  # [Ls, B, T, k]
+    forced[0, 1] = -1  # row 1 keeps the first sparse layer's own choice
+
+    fwd = jax.jit(lambda replay: T.forward(params, jnp.asarray(toks), cfg=cfg, attn_mask_BxT=jnp.asarray(mask),
+                                           return_routing=True, replay_experts_LsxBxTxk=replay))
+    logits, _, own = fwd(jnp.asarray(forced))
+    free_logits, _, free_own = fwd(jnp.full_like(jnp.asarray(forced), -1))
+    own, free_own = np.asarray(own), np.asarray(free_own)
+    np.testing.assert_array_equal(own[0, 1], free_own[0, 1])  # before any replayed layer: the same hidden states
+
+    hooks, gates = [], [layer.mlp.gate for layer in model.model.layers
+                        if isinstance(layer.mlp, transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock)]
+    for i, gate in enumerate(gates):
+        def replace(module, inputs, out, i=i):
+            ids = torch.as_tensor(np.where(forced[i] >= 0, forced[i], own[i]).reshape(B * T_, k), dtype=torch.long)
+            w = torch.softmax(out[0].float(), dim=-1).gather(1, ids)
+            return out[0], w / w.sum(-1, keepdim=True), ids
+        hooks.append(gate.register_forward_hook(replace))
+    ref, _ = _hf_run(model, toks, mask, T.positions_from_mask(jnp.asarray(mask)))
+    for h in hooks:
+        h.remove()
+    delta = float(np.abs(np.asarray(logits) - ref)[mask].max())
+    assert delta <= REL * float(np.abs(ref[mask]).max())
+    assert float(np.abs(np.asarray(logits) - np.asarray(free_logits))[mask].max()) > 100 * delta  # it did replay
+    chosen = (forced >= 0) & mask[None, :, :, None]
+    assert np.mean(np.sort(own, -1)[chosen[..., 0]] != np.sort(forced, -1)[chosen[..., 0]]) > 0.5  # mostly not its pick
+
+
 def test_export_round_trip_of_a_mixed_schedule(tmp_path):
     """save_hf -> transformers loads it as Qwen3MoeForCausalLM with the same logits; load_params gives back the
     same config and params (HF's per-expert tensor names both ways)."""

@@ -88,12 +88,17 @@ def test_replaying_the_trainers_own_routing_changes_no_bit_and_another_is_counte
 
 def test_routing_replay_with_a_dense_student_is_refused():
     from jopd.opd.step import build_step
+    from jopd.opd.validate import check_models
     from jopd.parallel import mesh as M
     from jopd.run.config import load_config
 
     dense = ModelConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                         head_dim=8)
     cfg = load_config(None, ["train.routing_replay=true", "mesh.data=1", "mesh.fsdp=1", "loss.top_k=8"])
-    with pytest.raises(ValueError, match=r"^RunConfig.train.routing_replay: the student \(llama\) has no "
-                                         r"mixture-of-experts layer whose routing to replay; set it false$"):
+    error = (r"^RunConfig.train.routing_replay: the student \(llama\) has no mixture-of-experts layer whose routing "
+             r"to replay; set it false$")
+    with pytest.raises(ValueError, match=error):  # before any weight is read (`model_sources.precheck_sources`)
+        check_models(cfg, dense, [dense], [False])
+    with pytest.raises(ValueError, match=error):
         build_step(cfg, dense, (dense,), M.make_mesh(cfg.mesh, jax.devices()[:1]))
+    check_models(cfg, CFG, [CFG], [False])  # a mixture-of-experts student replays
