@@ -61,8 +61,8 @@ class MismatchReport:
                 ("k3", self.k3, "nats/token"), ("mean |dprob|", self.mean_abs_dprob, ""),
                 ("max |dprob|", self.max_abs_dprob, ""), ("IS effective sample size", self.ess, "fraction")]
         if self.router_flip_frac is not None:
-            rows += [("routing flips: router decisions", self.router_flip_frac, "fraction"),
-                     ("routing flips: tokens", self.token_flip_frac, "fraction")]
+            rows += [("routing flips, decisions", self.router_flip_frac, "fraction"),
+                     ("routing flips, tokens", self.token_flip_frac, "fraction")]
         lines = [f"{self.n_prompts} prompts, {self.n_tokens} response tokens, {len(self.batch_exact_kl)} batches, "
                  f"{self.wall_s:.1f} s", f"{'':30s} {'mean':>11s} {'95% CI over prompts':>25s}"]
         for name, e, unit in rows:

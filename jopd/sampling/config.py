@@ -33,7 +33,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # stop tokens in addition to the model config's eos ids
     return_full_logprobs: bool = False  # also return the unprocessed log-softmax per step, [B, N, V] fp32
     return_topk: Annotated[int, pydantic.Field(ge=0)] = 0  # also return each step's top-k token ids [B, N, k]
-    # also return each token's expert ids in every sparse layer (a mixture-of-experts model; `SampleOutput`)
+    # also return each token's expert ids in every sparse layer (`SampleOutput.expert_ids_BxSxLsxk`; a
+    # mixture-of-experts model: the OPD step sets it for such a student)
     return_routing: bool = False
     # Decode slots of the slot engine (`jopd.sampling.slots`): a finished row's slot takes the next pending row
     # at once; 0: the static engine (every row of a batch decodes until the longest stops). Same samples.

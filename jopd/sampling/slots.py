@@ -163,7 +163,8 @@ def sample_slots(
     o = state["out"]
     return SampleOutput(tokens_BxN=o["tokens"], lengths_B=o["lengths"], logprobs_BxN=o["logp"],
                         unprocessed_logprobs_BxN=o["ulogp"], done_B=o["done"], full_logprobs_BxNxV=o.get("full"),
-                        topk_ids_BxNxK=o.get("topk"), expert_ids_BxSxLsxk=o.get("experts"), cache=state["cache"], decode_iterations=state["iterations"])
+                        topk_ids_BxNxK=o.get("topk"), expert_ids_BxSxLsxk=o.get("experts"), cache=state["cache"],
+                        decode_iterations=state["iterations"])
 
 
 def slot_iterations(lengths_R, slots: int, shards: int = 1) -> int:

@@ -105,4 +105,5 @@ def sample_static(
     return SampleOutput(tokens_BxN=state["tokens"], lengths_B=state["lengths"], logprobs_BxN=state["logp"],
                         unprocessed_logprobs_BxN=state["ulogp"], done_B=state["done"],
                         full_logprobs_BxNxV=state.get("full"), topk_ids_BxNxK=state.get("topk"),
-                        expert_ids_BxSxLsxk=state.get("experts"), cache=state["cache"], decode_iterations=state["t"] - 1)
+                        expert_ids_BxSxLsxk=state.get("experts"), cache=state["cache"],
+                        decode_iterations=state["t"] - 1)

@@ -89,4 +89,4 @@ def test_flip_rates_and_replayed_mismatch_of_a_bf16_engine():
         assert rep.router_flip_frac.mean == pytest.approx(router, rel=1e-9)
         assert rep.token_flip_frac.mean == pytest.approx(token, rel=1e-9)
         assert rep.token_flip_frac.ci_low <= token <= rep.token_flip_frac.ci_high
-    assert "routing flips: router decisions" in rep.table()
+    assert "routing flips, decisions" in rep.table() and "routing flips, tokens" in rep.table()

@@ -132,8 +132,8 @@ def test_replayed_routing_through_the_forward_matches_transformers_with_its_rout
     own, free_own = np.asarray(own), np.asarray(free_own)
     np.testing.assert_array_equal(own[0, 1], free_own[0, 1])  # before any replayed layer: the same hidden states
 
-    hooks, gates = [], [layer.mlp.gate for layer in model.model.layers
-                        if isinstance(layer.mlp, transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock)]
+    sparse_block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock
+    hooks, gates = [], [layer.mlp.gate for layer in model.model.layers if isinstance(layer.mlp, sparse_block)]
     for i, gate in enumerate(gates):
         def replace(module, inputs, out, i=i):
             ids = torch.as_tensor(np.where(forced[i] >= 0, forced[i], own[i]).reshape(B * T_, k), dtype=torch.long)
