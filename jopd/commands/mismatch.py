@@ -8,7 +8,9 @@ Samples --batches training batches of prompts with the config's rollout engine (
 `sampling`) through the OPD step's own rollout, with the student at a checkpoint (default: the config's
 starting student, e.g. the testbed's warm start), and compares every visited position with the trainer's
 fp32 forward: exact full-vocabulary KL(sampler || trainer), k1, k3, mean/max |dprob| and the IS effective
-sample size, each with a 95% bootstrap CI over prompts, and the wall time. The prompts and the sampler's
+sample size, each with a 95% bootstrap CI over prompts, and the wall time; for a mixture-of-experts student also
+the routing flips (the share of router decisions and of tokens whose experts differ between the sampler and the
+trainer), with `train.routing_replay=true` against the trainer's replayed forward. The prompts and the sampler's
 random draws depend only on data.seed and train.seed, so two engines measured alike see the same prompts.
 """
 
@@ -42,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     report, at = measure_config(cfg, args.checkpoint, args.step, args.batches, args.resamples,
                                 log=lambda m: print(m, file=sys.stderr))
     where = f"{args.checkpoint} step {at}" if args.checkpoint else "the config's starting student"
-    print(f"rollout engine {cfg.rollout_precision} vs trainer ({cfg.student.dtype}); student: {where}")
+    replay = ", routing replay" if cfg.train.routing_replay else ""
+    print(f"rollout engine {cfg.rollout_precision} vs trainer ({cfg.student.dtype}{replay}); student: {where}")
     print(report.table())
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,11 @@ the OPD step's own rollout (`OPDStep.rollout`), and compare each visited positio
 Reported per response token, each with a 95% bootstrap CI over prompts (rows are resampled whole, so the
 interval reflects prompt-to-prompt variation, and token-weighted means stay ratios of sums): the exact
 full-vocabulary KL(sampler ‖ trainer), the sampled-token estimators k1 and k3, mean and max |Δprob| of the
-sampled tokens, and the effective sample size of the IS weights.
+sampled tokens, and the effective sample size of the IS weights. For a mixture-of-experts student also the
+routing flips, each with its CI over prompts: the share of router decisions (token x sparse layer) and of tokens
+(any sparse layer) whose expert set differs between the sampler and the trainer, over the tokens the sampler
+routed (each prompt's and its response's but the last). With `train.routing_replay` the trainer's forward is the
+replayed one (what the update differentiates), for the KL as for the flips.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from jopd.parallel.distributed import gather_to_host
 
 # Per-row sums the statistics are ratios of (one row = one prompt's response).
 _SUMS = ("n", "kl", "k1", "k3", "dprob", "r", "r2")
+# ... and of the routing (a mixture-of-experts student): routed tokens, flipped decisions, flipped tokens
+_ROUTE_SUMS = ("routed", "flipped_decisions", "flipped_tokens")
 
 
 @dataclasses.dataclass
@@ -42,6 +48,10 @@ class MismatchReport:
     ess: Estimate
     batch_exact_kl: list[float]  # per sampled batch
     wall_s: float
+    # a mixture-of-experts student: the share of router decisions (token x sparse layer), and of tokens, whose
+    # expert set differs between the sampler and the trainer; None for a dense one
+    router_flip_frac: Estimate | None = None
+    token_flip_frac: Estimate | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -50,6 +60,9 @@ class MismatchReport:
         rows = [("exact KL(sampler || trainer)", self.exact_kl, "nats/token"), ("k1", self.k1, "nats/token"),
                 ("k3", self.k3, "nats/token"), ("mean |dprob|", self.mean_abs_dprob, ""),
                 ("max |dprob|", self.max_abs_dprob, ""), ("IS effective sample size", self.ess, "fraction")]
+        if self.router_flip_frac is not None:
+            rows += [("routing flips, decisions", self.router_flip_frac, "fraction"),
+                     ("routing flips, tokens", self.token_flip_frac, "fraction")]
         lines = [f"{self.n_prompts} prompts, {self.n_tokens} response tokens, {len(self.batch_exact_kl)} batches, "
                  f"{self.wall_s:.1f} s", f"{'':30s} {'mean':>11s} {'95% CI over prompts':>25s}"]
         for name, e, unit in rows:
@@ -70,6 +83,15 @@ def mismatch_row_sums(sampler_logprobs_BxN: Float[np.ndarray, "B N"], trainer_lo
             "r2": t["r2"].sum(1), "max_dprob": t["abs_dprob"].max(1, initial=0.0)}
 
 
+def routing_row_sums(router_flips_BxS: np.ndarray, routed_BxS: np.ndarray, sparse_layers: int) -> dict[str, np.ndarray]:
+    """Per row, over the positions the sampler routed: their count, the router decisions that flipped (summed over
+    the sparse layers) divided by `sparse_layers` (so that flipped_decisions / routed is the decision share), and
+    the tokens with at least one flip (float64)."""
+    flips = np.where(np.asarray(routed_BxS, bool), np.asarray(router_flips_BxS, np.float64), 0.0)
+    return {"routed": np.asarray(routed_BxS, bool).sum(1).astype(np.float64),
+            "flipped_decisions": flips.sum(1) / sparse_layers, "flipped_tokens": (flips > 0).sum(1).astype(np.float64)}
+
+
 def _ratio(num: str):
     return lambda *cols, axis=-1: cols[_SUMS.index(num)].sum(axis) / cols[0].sum(axis)
 
@@ -88,9 +110,14 @@ def summarize(rows: dict[str, np.ndarray], batch_kl: list[float], wall_s: float,
     keep = n > 0
     est = functools.partial(estimate, tuple(rows[k][keep] for k in _SUMS), resamples=resamples, seed=seed)
     max_est = estimate((rows["max_dprob"][keep],), np.max, resamples=resamples, seed=seed)
+    routing = {}
+    if "routed" in rows:  # the same rows (prompts) resampled for the routing's ratios
+        route = functools.partial(estimate, tuple(rows[k][keep] for k in _ROUTE_SUMS), resamples=resamples, seed=seed)
+        share = lambda i: lambda *cols, axis=-1: cols[i].sum(axis) / cols[0].sum(axis)  # noqa: E731
+        routing = dict(router_flip_frac=route(share(1)), token_flip_frac=route(share(2)))
     return MismatchReport(n_prompts=int(keep.sum()), n_tokens=int(n.sum()), exact_kl=est(_ratio("kl")),
                           k1=est(_ratio("k1")), k3=est(_ratio("k3")), mean_abs_dprob=est(_ratio("dprob")),
-                          max_abs_dprob=max_est, ess=est(_ess), batch_exact_kl=batch_kl, wall_s=wall_s)
+                          max_abs_dprob=max_est, ess=est(_ess), batch_exact_kl=batch_kl, wall_s=wall_s, **routing)
 
 
 def measure(run, state, batches: Iterable[dict[str, np.ndarray]], *, first_step: int = 0, resamples: int = 2000,
@@ -103,7 +130,8 @@ def measure(run, state, batches: Iterable[dict[str, np.ndarray]], *, first_step:
         raise ValueError("mismatch: needs train.mismatch=exact (the sampler's full log-softmax)")
     # the trainer side in the update's own compute dtype (`train.compute_dtype`): the mismatch the update sees
     fn = jax.jit(functools.partial(position_mismatch, model_cfg=step.student_cfg, dtype=step.compute_dtype,
-                                   temperature=run.cfg.sampling.temperature, chunk=step.loss_cfg.chunk_size))
+                                   temperature=run.cfg.sampling.temperature, chunk=step.loss_cfg.chunk_size,
+                                   routing_replay=run.cfg.train.routing_replay))
     t0 = time.perf_counter()
     sums: list[dict[str, np.ndarray]] = []
     batch_kl = []
@@ -114,6 +142,9 @@ def measure(run, state, batches: Iterable[dict[str, np.ndarray]], *, first_step:
         sampler_lp = rollout.sample.unprocessed_logprobs_BxN
         rows = mismatch_row_sums(*gather_to_host((sampler_lp, terms["trainer_logprobs_BxN"], terms["response_mask_BxN"],
                                                   terms["exact_kl_BxN"])))  # all processes' rows, on every host
+        if "routed_BxS" in terms:  # a mixture-of-experts student
+            rows |= routing_row_sums(*gather_to_host((terms["router_flips_BxS"], terms["routed_BxS"])),
+                                     len(step.student_cfg.sparse_layers))
         sums.append(rows)
         batch_kl.append(float(rows["kl"].sum() / max(rows["n"].sum(), 1.0)))
     wall = time.perf_counter() - t0

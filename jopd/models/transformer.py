@@ -186,11 +186,12 @@ def constrain_batch(x: jax.Array) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cache, v_cache, write_index,
-           attend, dtype):
+           attend, dtype, replay_BxTxk=None):
     """One block. With a cache (this layer's [B,K,S,Dh] buffers), the new K/V are written at slot `write_index`
     (a scalar, or one slot per row: [B]) and attention reads the whole buffer. `attend(q, k, v)` is the attention
     seam's call for this forward (`jopd.models.attention`: causal, or against the cache). Returns (x, k_cache,
-    v_cache, each token's expert ids [B,T,k] for a sparse layer, else None)."""
+    v_cache, each token's expert ids [B,T,k] for a sparse layer, else None). `replay_BxTxk`: a sparse layer's
+    replayed expert ids (`moe.sparse_mlp`)."""
 
     def _write_cache(cache_BxKxSxDh, new_BxKxTxDh):
         new = new_BxKxTxDh.astype(cache_BxKxSxDh.dtype)
@@ -224,7 +225,7 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
     x = x_BxTxD + mm("bthe,hed->btd", attn, "o")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "router" in lp:  # a sparse layer (`ModelConfig.is_sparse`): the routed experts
-        mlp_out, expert_ids = moe.sparse_mlp(cfg, lp, h, dtype)
+        mlp_out, expert_ids = moe.sparse_mlp(cfg, lp, h, dtype, replay_BxTxk)
     else:
         gate = mm("btd,df->btf", h, "gate")
         up = mm("btd,df->btf", h, "up")
@@ -294,6 +295,7 @@ def forward(
     segment_ids_BxT: Int[Array, "B T"] | None = None,
     attention: str | None = None,
     return_routing: bool = False,
+    replay_experts_LsxBxTxk: Int[Array, "Ls B T k"] | None = None,
 ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, Int[Array, "Ls B T k"] | None]:
     """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None), and with `return_routing` a third
     element: each token's expert ids in every sparse layer, [Ls, B, T, k] int32 (sparse layers in depth order,
@@ -313,6 +315,9 @@ def forward(
     `attention` names the implementation of the attention seam (`jopd.models.attention.ATTENTION`, or "auto");
     None: the model's own `cfg.attention`. The forward hands it the structure (padding mask, segment ids, or the
     cache's slot index and kv mask), not a dense mask.
+    `replay_experts_LsxBxTxk` (routing replay, the layout `return_routing` returns): every sparse layer runs these
+    experts where they are >= 0 (-1: its router's own choice), weighted by its router's probabilities at them
+    (`moe.sparse_mlp`); the routing returned is still each router's own top-k.
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -329,8 +334,14 @@ def forward(
         def attend(q, k, v):
             return impl.cached(q, k, v, slot=cache_index, kv_mask_BxS=kv_mask_BxS, dtype=dtype)
 
-    def layer_fn(lp, x, k_l, v_l):
-        x, k_l, v_l, ids = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, attend, dtype)
+    replay = replay_experts_LsxBxTxk
+    if replay is not None and replay.shape[0] != len(cfg.sparse_layers):
+        raise ValueError(f"forward: replay_experts_LsxBxTxk holds {replay.shape[0]} sparse layers, the model "
+                         f"{len(cfg.sparse_layers)}")
+
+    def layer_fn(lp, x, k_l, v_l, replay_l=None):
+        x, k_l, v_l, ids = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, attend, dtype,
+                                  replay_l)
         return constrain_batch(x), k_l, v_l, (ids if return_routing else None)
 
     if remat:  # prevent_cse=False is safe (and faster) inside scan (and harmless in the unrolled loop)
@@ -339,17 +350,21 @@ def forward(
         layers = unstack_layers(params)["layers"]
         ks = list(cache["k"]) if cache is not None else [None] * len(layers)
         vs = list(cache["v"]) if cache is not None else [None] * len(layers)
-        routed = []
+        routed, sparse_i = [], 0
         for i, lp in enumerate(layers):
-            x, ks[i], vs[i], ids = layer_fn(lp, x, ks[i], vs[i])
+            replay_l = None
+            if replay is not None and "router" in lp:  # this sparse layer's replayed ids
+                replay_l, sparse_i = replay[sparse_i], sparse_i + 1
+            x, ks[i], vs[i], ids = layer_fn(lp, x, ks[i], vs[i], replay_l)
             routed += [] if ids is None else [ids]
         experts = jnp.stack(routed) if routed else None
         new_cache = None if cache is None else {"k": tuple(ks), "v": tuple(vs)}
     else:
-        def scan_body(x, lp):
-            x, _, _, ids = layer_fn(lp, x, None, None)
+        def scan_body(x, xs):
+            lp, replay_l = xs  # replay: every layer of a stack is sparse, or none is (then it is None)
+            x, _, _, ids = layer_fn(lp, x, None, None, replay_l)
             return x, ids
-        x, experts = jax.lax.scan(scan_body, x, params["layers"])
+        x, experts = jax.lax.scan(scan_body, x, (params["layers"], replay))
         new_cache = None
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     out = hidden if return_hidden else logits_from_hidden(params, hidden, dtype=dtype, logits_dtype=logits_dtype)

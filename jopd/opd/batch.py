@@ -61,6 +61,13 @@ class TrainBatch:
     attn_mask_BxS: Bool[Array, "B S"]
     loss: LossBatch  # [B, N, ...] fields, N = the response slots
     plan: Any = None  # `opd.packing.PackPlan` when packed
+    # a mixture-of-experts student: the sampler's expert ids per token and sparse layer in the padded sequence
+    # layout [B, S, Ls, k] (`SampleOutput.expert_ids_BxSxLsxk`; -1 where it routed nothing the loss reads), what
+    # the routing-flip metrics compare with and routing replay runs
+    sampler_experts_BxSxLsxk: Int[Array, "B S Ls k"] | None = None
+    # with it, the rows whose forward replays them (`train.routing_replay`: all, else none). Data, not a static
+    # switch: the update is one program either way, so replaying the trainer's own choice changes no bit
+    replay_B: Bool[Array, "B"] | None = None
 
     @property
     def n_response(self) -> int:

@@ -135,12 +135,23 @@ def compact_hidden(hidden_BpxCxD, plan: PackPlan):
     return take_rows(hidden_BpxCxD, plan.hid_row_QxC, plan.hid_col_QxC, plan.shards)
 
 
-def packed_hidden(params, cfg, tokens_BpxC, plan: PackPlan, *, dtype=jnp.float32, remat: bool = False):
-    """The model's final hidden states over packed rows [Bp, C, D] (each sequence attends to itself only)."""
+def pack_positions(x_BxSx, plan: PackPlan, fill):
+    """A per-position field of the padded rows [B, S, ...] in the packed layout [Bp, C, ...] (`fill` on padding)."""
+    packed = take_rows(x_BxSx, plan.src_row_BpxC, plan.src_col_BpxC, plan.shards)
+    real = (plan.segment_BpxC > 0).reshape(plan.segment_BpxC.shape + (1,) * (packed.ndim - 2))
+    return jnp.where(real, packed, jnp.asarray(fill, packed.dtype))
+
+
+def packed_hidden(params, cfg, tokens_BpxC, plan: PackPlan, *, dtype=jnp.float32, remat: bool = False,
+                  return_routing: bool = False, replay_experts_LsxBpxCxk=None):
+    """The model's final hidden states over packed rows [Bp, C, D] (each sequence attends to itself only); with
+    `return_routing` also its routing [Ls, Bp, C, k] (`transformer.forward`'s, as is `replay_experts_LsxBpxCxk`)."""
     from jopd.models import transformer
 
-    hidden, _ = transformer.forward(params, tokens_BpxC, cfg=cfg, attn_mask_BxT=plan.segment_BpxC > 0,
-                                    positions_BxT=plan.position_BpxC, segment_ids_BxT=plan.segment_BpxC,
-                                    dtype=dtype, return_hidden=True, remat=remat)
-    return hidden
+    hidden, _, *routing = transformer.forward(params, tokens_BpxC, cfg=cfg, attn_mask_BxT=plan.segment_BpxC > 0,
+                                              positions_BxT=plan.position_BpxC, segment_ids_BxT=plan.segment_BpxC,
+                                              dtype=dtype, return_hidden=True, remat=remat,
+                                              return_routing=return_routing,
+                                              replay_experts_LsxBxTxk=replay_experts_LsxBpxCxk)
+    return (hidden, *routing) if return_routing else hidden
 

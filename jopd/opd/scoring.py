@@ -98,13 +98,15 @@ def _mixture_fields(teacher_params, layout: SequenceLayout, *, teacher_cfgs, log
 def score_rollout(teacher_params: tuple[Any, ...], rollout: RolloutArrays, reference_params=None, *,
                   teacher_cfgs: tuple[ModelConfig, ...], student_cfg: ModelConfig, loss_cfg: LossConfig,
                   is_logprobs: str, dtype, routing: Routing, cross_tables: tuple[Any, ...],
-                  teacher_dtype=jnp.float32) -> TrainBatch:
+                  teacher_dtype=jnp.float32, routing_replay: bool = False) -> TrainBatch:
     """The scoring stage (`OPDStep.score_fn`): a rollout -> the train step's `TrainBatch` (the student's input and
     the response-aligned loss fields: the teachers', the sampler's log-probs, advantages, the reference's).
     `teacher_params`, `teacher_cfgs`, `cross_tables` (each teacher's projection table; None for a teacher of the
     student's vocabulary) hold one entry per teacher. With `rollout.plan` (`train.pack`), the sequences are
     packed: the student's input is the packed rows. `dtype`: the student's compute dtype (the reference's scoring),
-    `teacher_dtype` the teachers' (`opd.resolve`)."""
+    `teacher_dtype` the teachers' (`opd.resolve`). A mixture-of-experts student's rollout carries the sampler's
+    routing to the update (`TrainBatch.sampler_experts_BxSxLsxk`), every row marked for replay with
+    `routing_replay`."""
     sample, plan = rollout.sample, rollout.plan
     layout = sequence_layout(rollout.prompt_BxP, rollout.prompt_mask_BxP, sample.tokens_BxN, sample.lengths_B)
     teacher = routed_teacher_fields(teacher_params, layout, teacher_cfgs=teacher_cfgs, routing=routing,
@@ -126,7 +128,11 @@ def score_rollout(teacher_params: tuple[Any, ...], rollout: RolloutArrays, refer
                      sampler_logprobs_BxT=is_lp, sampler_full_logprobs_BxTxV=sample.full_logprobs_BxNxV,
                      advantages_BxT=advantages, reference_logprobs_BxT=reference,
                      compact=None if plan is None else plan.compact, **teacher)
+    # a MoE student's recorded routing (padded layout, packed in the update) and the rows that replay it
+    experts = sample.expert_ids_BxSxLsxk
+    recorded = dict(sampler_experts_BxSxLsxk=experts,
+                    replay_B=None if experts is None else jnp.full(experts.shape[:1], routing_replay))
     if plan is None:
-        return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss)
+        return TrainBatch(tokens_BxS=layout.tokens_BxS, attn_mask_BxS=layout.attn_mask_BxS, loss=loss, **recorded)
     return TrainBatch(tokens_BxS=pack_tokens(layout.tokens_BxS, plan), attn_mask_BxS=plan.segment_BpxC > 0,
-                      loss=loss, plan=plan)
+                      loss=loss, plan=plan, **recorded)

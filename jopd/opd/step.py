@@ -403,6 +403,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     validate.check_cross(cfg, cross)
     cross = (None,) * len(cfg.teacher_sources()) if cross is None else cross
     validate.check_teacher_tuples(cfg, s_cfg, t_cfgs, cross)
+    validate.check_routing_replay(cfg, s_cfg)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)
@@ -411,8 +412,10 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
 
     # the union support takes the student's top-K ids from the sampler, where its logits already exist
     union = loss_cfg.support == "union" or objective.student_support
+    # a mixture-of-experts student's sampler records its routing: the flip metrics, and routing replay
     sampling = dataclasses.replace(cfg.sampling, return_full_logprobs=cfg.train.mismatch == "exact",
-                                   return_topk=loss_cfg.top_k if union else 0)
+                                   return_topk=loss_cfg.top_k if union else 0,
+                                   return_routing=bool(s_cfg.sparse_layers))
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
                       shardings=SamplerShardings(params=sh.sampler_params, batch=batch, cache=sh.cache))
     routing = routinglib.resolve_routing(cfg, rollouts_per_prompt(cfg), sampler.shards)
@@ -423,7 +426,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     tables = tuple(None if c is None else c.table for c in cross)
     score = functools.partial(score_rollout, teacher_cfgs=t_cfgs, student_cfg=s_cfg, loss_cfg=loss_cfg,
                               is_logprobs=cfg.train.is_logprobs, dtype=dtype, teacher_dtype=teacher_compute_dtype(cfg),
-                              routing=routing, cross_tables=tables)
+                              routing=routing, cross_tables=tables, routing_replay=cfg.train.routing_replay)
     # pjit takes no keyword or defaulted arguments with in_shardings: the reference is a third positional one
     # only when the loss reads it
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())

@@ -10,12 +10,14 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Int
 
 from jopd.losses import LossBatch, LossConfig, token_loss
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import TrainBatch
-from jopd.opd.packing import compact_hidden, packed_hidden
+from jopd.models.moe import expert_set_flips
+from jopd.opd.packing import compact_hidden, pack_positions, packed_hidden
 
 
 def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.float32, remat: bool = False):
@@ -23,20 +25,53 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
     positions that predict response tokens are projected to logits: the N slots of each padded row, or, for
     packed rows, the real response tokens alone. `remat`: recompute each layer in the backward pass (see
     `transformer.forward`). `teacher_head` (frozen): the teacher's LM head, for the kinds that project the
-    teacher's hidden states chunk by chunk (`Objective.reads_teacher_head`)."""
+    teacher's hidden states chunk by chunk (`Objective.reads_teacher_head`).
+
+    A batch with the sampler's routing (`TrainBatch.sampler_experts_BxSxLsxk`, a mixture-of-experts student) adds
+    the routing-flip metrics (`routing_flip_metrics`), and its rows marked `replay_B` run the sampler's experts
+    (`transformer.forward`'s `replay_experts_LsxBxTxk`; the others -1, their routers' own choice), so their loss,
+    its gradient and `mismatch_kl` are the replayed forward's."""
 
     def loss_fn(params, batch: TrainBatch, teacher_head=None):
+        recorded = batch.sampler_experts_BxSxLsxk  # [B, S, Ls, k] or None (a dense student)
+        replay = None
+        if recorded is not None:
+            replay = jnp.where(batch.replay_B[:, None, None, None], recorded, jnp.asarray(-1, recorded.dtype))
+            if batch.plan is not None:  # in the packed rows' layout
+                recorded, replay = (pack_positions(x, batch.plan, -1) for x in (recorded, replay))
+            recorded, replay = (jnp.moveaxis(x, 2, 0) for x in (recorded, replay))  # [Ls, B, S, k]: the forward's
+        routed = recorded is not None
         if batch.plan is not None:  # packed rows: the hidden states that predict response tokens, compact
-            hidden = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat)
-            return token_loss(loss_cfg, params, model_cfg, compact_hidden(hidden, batch.plan), batch.loss,
-                              dtype=dtype, teacher_head=teacher_head)
-        hidden, _ = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg, attn_mask_BxT=batch.attn_mask_BxS,
-                                        dtype=dtype, return_hidden=True, remat=remat)
-        S, N = batch.tokens_BxS.shape[1], batch.n_response
-        return token_loss(loss_cfg, params, model_cfg, hidden[:, S - N - 1:S - 1], batch.loss, dtype=dtype,
-                          teacher_head=teacher_head)
+            out = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat,
+                                return_routing=routed, replay_experts_LsxBpxCxk=replay)
+            hidden, *own = out if routed else (out,)
+            loss, metrics = token_loss(loss_cfg, params, model_cfg, compact_hidden(hidden, batch.plan), batch.loss,
+                                       dtype=dtype, teacher_head=teacher_head)
+        else:
+            hidden, _, *own = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg,
+                                                  attn_mask_BxT=batch.attn_mask_BxS, dtype=dtype, return_hidden=True,
+                                                  remat=remat, return_routing=routed, replay_experts_LsxBxTxk=replay)
+            S, N = batch.tokens_BxS.shape[1], batch.n_response
+            loss, metrics = token_loss(loss_cfg, params, model_cfg, hidden[:, S - N - 1:S - 1], batch.loss,
+                                       dtype=dtype, teacher_head=teacher_head)
+        if routed:
+            metrics = metrics | routing_flip_metrics(own[0], recorded)
+        return loss, metrics
 
     return loss_fn
+
+
+def routing_flip_metrics(own_LsxBxTxk: Int[Array, "Ls B T k"], recorded_LsxBxTxk: Int[Array, "Ls B T k"]
+                         ) -> dict[str, jax.Array]:
+    """The sampler's routing against the trainer's own router choices on the same tokens (`moe.expert_set_flips`),
+    over the tokens the sampler recorded: `mismatch_router_flip_frac`, the share of router decisions (token x
+    sparse layer) whose expert set differs, and `mismatch_token_flip_frac`, the share of tokens with such a
+    difference in at least one sparse layer. With routing replay the trainer's own choice is its router's top-k on
+    the replayed forward's hidden states."""
+    flips_BxT, recorded_BxT = expert_set_flips(own_LsxBxTxk, recorded_LsxBxTxk)
+    n = jnp.maximum(jnp.sum(recorded_BxT), 1).astype(jnp.float32)
+    return {"mismatch_router_flip_frac": jnp.sum(flips_BxT) / (n * own_LsxBxTxk.shape[0]),
+            "mismatch_token_flip_frac": jnp.sum(flips_BxT > 0) / n}
 
 
 def sft_loss_fn(model_cfg: ModelConfig, dtype=jnp.float32, remat: bool = False, response_from: int = 1):

@@ -8,7 +8,8 @@
   teacher against the student, every model's context); `model_sources.precheck_sources` runs it on the
   checkpoints' metadata before any weight is read or any model is trained, `jopd aot` on the architectures it
   sizes. `check_compatible` is one teacher against the student (and their tokenizers when given).
-- `check_cross(cfg, cross)`: `build_step`'s `cross` against the kind.
+- `check_cross(cfg, cross)`: `build_step`'s `cross` against the kind; `check_routing_replay` the student against
+  `train.routing_replay` (from `check_models` and `build_step`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def check_models(cfg: "RunConfig", student: "ModelConfig | None", teachers: Sequ
     roles = list(zip(cfg.teacher_roles(), cfg.teacher_sources()))  # (how errors name each, its source)
     crossed = cfg.loss.cross_tokenizer != "off"
     if student is not None:
+        check_routing_replay(cfg, student)
         for (role, _), t_cfg, own in zip(roles, teachers, own_tokenizer):
             if t_cfg is not None and not own:
                 check_compatible(student, t_cfg, None, None, role, own_tokenizer_run=crossed)
@@ -169,6 +171,13 @@ def check_models(cfg: "RunConfig", student: "ModelConfig | None", teachers: Sequ
             raise ValueError(f"RunConfig.{where}: a context of {context} tokens cannot hold its scoring rows of "
                              f"data.max_prompt_len {cfg.data.max_prompt_len} + sampling.max_new_tokens "
                              f"{cfg.sampling.max_new_tokens} + {TEACHER_SLACK} = {rows}")
+
+
+def check_routing_replay(cfg: "RunConfig", student: "ModelConfig") -> None:
+    """`train.routing_replay` replays the student's router choices: it needs a student with sparse layers."""
+    if cfg.train.routing_replay and not student.sparse_layers:
+        raise ValueError(f"RunConfig.train.routing_replay: the student ({student.family}) has no mixture-of-experts "
+                         f"layer whose routing to replay; set it false")
 
 
 def own_tokenizers(cross, teachers: int) -> tuple[bool, ...]:

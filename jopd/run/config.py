@@ -128,6 +128,10 @@ class TrainConfig:
     compute_dtype: Literal["fp32", "bf16"] = "fp32"
     mismatch: Literal["exact", "estimators"] = "exact"  # exact full-vocab KL needs [B,N,V] sampler logprobs
     is_logprobs: Literal["unprocessed", "processed"] = "unprocessed"  # sampler logprobs used for IS weights
+    # A mixture-of-experts student: the update's forward runs the experts the sampler chose for each token (every
+    # sparse layer), weighted by the trainer's own router probabilities at them (R3, routing replay); the router
+    # still gets its gradient. The exact mismatch is then measured against this replayed forward.
+    routing_replay: bool = False
     # Which response targets the loss masks. template_first: the tokens named in `template_tokens`, at their first
     # occurrence in a response (where a chat template legitimately writes them); every other special token the
     # student emits (pad, bos, unk, role markers) is trained against, so emitting them is never free.

@@ -17,7 +17,7 @@ from jopd.config_dataclass import config_dataclass
 # Metrics that do not depend on the loss mask: still meaningful for a step with no counted tokens.
 MASK_FREE_METRICS = frozenset({"num_tokens", "nonfinite", "mismatch_kl", "response_len", "step_time_s",
                                "tokens_per_s", "reward", "reward_std", "response_at_cap", "special_token_frac",
-                               "counted_token_frac"})
+                               "counted_token_frac", "mismatch_router_flip_frac", "mismatch_token_flip_frac"})
 
 
 @config_dataclass

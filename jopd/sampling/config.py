@@ -33,6 +33,9 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # stop tokens in addition to the model config's eos ids
     return_full_logprobs: bool = False  # also return the unprocessed log-softmax per step, [B, N, V] fp32
     return_topk: Annotated[int, pydantic.Field(ge=0)] = 0  # also return each step's top-k token ids [B, N, k]
+    # also return each token's expert ids in every sparse layer (`SampleOutput.expert_ids_BxSxLsxk`; a
+    # mixture-of-experts model: the OPD step sets it for such a student)
+    return_routing: bool = False
     # Decode slots of the slot engine (`jopd.sampling.slots`): a finished row's slot takes the next pending row
     # at once; 0: the static engine (every row of a batch decodes until the longest stops). Same samples.
     slots: Annotated[int, pydantic.Field(ge=0)] = 0
@@ -54,6 +57,11 @@ class SampleOutput(NamedTuple):
     done_B: Bool[Array, "B"]  # the row ended with a stop token (False: it hit max_new_tokens)
     full_logprobs_BxNxV: Float[Array, "B N V"] | None = None  # unprocessed log-softmax, if requested
     topk_ids_BxNxK: Int[Array, "B N K"] | None = None  # the (noisy) logits' top-k ids per step, if requested
+    # with `return_routing`: the expert ids each token was routed to in every sparse layer (Ls of them, k each, in
+    # the router's order), in the scored sequence layout S = P + N (prompt slot j, then response token t at P + t);
+    # -1 where the engine routed nothing the trainer reads: prompt padding, and a row's last response token and
+    # after (never fed back). `routing_dtype` of the model.
+    expert_ids_BxSxLsxk: Int[Array, "B S Ls k"] | None = None
     cache: Any = None  # the KV-cache buffer (donated in, handed back for reuse)
     # decode forward passes the engine ran (a replicated scalar): its slot-steps are rows + slots x this (every
     # row's first token comes from the prefill), so sum(lengths_B) / (rows + slots x decode_iterations) is the
@@ -101,6 +109,20 @@ def row_randomness(seed: int, indices: Sequence[int] | np.ndarray, max_new_token
         k[r] = rng.integers(0, 2**32, 2, dtype=np.uint32)
         u[r] = rng.random(max_new_tokens, dtype=np.float32)
     return RowRandomness(u, k)
+
+
+def routing_dtype(cfg: ModelConfig):
+    """The dtype `SampleOutput.expert_ids_BxSxLsxk` is kept in: int16 (half of int32's bytes) while the expert ids
+    and the -1 fit."""
+    return jnp.int16 if cfg.num_experts < 2**15 else jnp.int32
+
+
+def routing_buffer(cfg: ModelConfig, rows: int, length: int) -> jax.Array:
+    """An empty recording of `rows` rows of `length` positions: -1 everywhere ([rows, length, Ls, k])."""
+    shape = (rows, length, len(cfg.sparse_layers), cfg.num_experts_per_tok)
+    if not cfg.sparse_layers:
+        raise ValueError("sampling.return_routing: the model has no sparse (mixture-of-experts) layer to record")
+    return jnp.full(shape, -1, routing_dtype(cfg))
 
 
 def stop_and_pad_ids(cfg: ModelConfig, sampling: SamplingConfig) -> tuple[jax.Array, int]:

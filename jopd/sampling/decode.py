@@ -52,30 +52,34 @@ def pick(logits_BxV: Float[Array, "B V"], u_B: Float[Array, "B"], noise_key_data
 
 
 def prefill(params: transformer.Params, prompt_BxP: Int[Array, "B P"], prompt_mask_BxP: Bool[Array, "B P"],
-            cache: transformer.KVCache, *, cfg: ModelConfig, precision: PrecisionConfig, max_new_tokens: int
-            ) -> tuple[Float[Array, "B V"], transformer.KVCache]:
+            cache: transformer.KVCache, *, cfg: ModelConfig, precision: PrecisionConfig, max_new_tokens: int,
+            return_routing: bool = False):
     """Left-padded prompts (every row ends with a real token) into cache slots [0, P), attending over the cache's
-    full length as the decode steps do; returns the logits at each prompt's last position and the cache."""
+    full length as the decode steps do; returns the logits at each prompt's last position and the cache (and with
+    `return_routing` every prompt token's expert ids per sparse layer [Ls, B, P, k], `transformer.forward`'s)."""
     B = prompt_BxP.shape[0]
     mask = prompt_mask_BxP.astype(bool)
     kv_mask_BxS = jnp.concatenate([mask, jnp.ones((B, max_new_tokens), bool)], axis=1)
-    hidden, cache = transformer.forward(params, prompt_BxP, attn_mask_BxT=mask, cache=cache, cache_index=0,
-                                        positions_BxT=transformer.positions_from_mask(mask),
-                                        kv_mask_BxS=kv_mask_BxS, return_hidden=True,
-                                        **_forward_kwargs(cfg, precision))
+    hidden, cache, *routing = transformer.forward(params, prompt_BxP, attn_mask_BxT=mask, cache=cache, cache_index=0,
+                                                  positions_BxT=transformer.positions_from_mask(mask),
+                                                  kv_mask_BxS=kv_mask_BxS, return_hidden=True,
+                                                  return_routing=return_routing, **_forward_kwargs(cfg, precision))
     logits_BxV = transformer.logits_from_hidden(params, hidden[:, -1:], dtype=precision.dtype,
                                                 logits_dtype=precision.logits_jnp_dtype)[:, 0]
-    return logits_BxV, cache
+    return (logits_BxV, cache, *routing)
 
 
 def decode_step(params: transformer.Params, tok_B: Int[Array, "B"], cache: transformer.KVCache,
                 slot: Int[Array, ""] | Int[Array, "B"], positions_B: Int[Array, "B"],
                 kv_mask_BxS: Bool[Array, "B S"], u_B: Float[Array, "B"], noise_key_data_Bx2: Int[Array, "B 2"],
                 t: Int[Array, ""] | Int[Array, "B"], *, cfg: ModelConfig, precision: PrecisionConfig,
-                sampling: SamplingConfig) -> tuple[Choice, transformer.KVCache]:
+                sampling: SamplingConfig, return_routing: bool = False):
     """Each row's last token (RoPE position `positions_B`) into the cache at `slot` (a scalar, or one per row),
-    attending to the slots up to its own that `kv_mask_BxS` marks real; then the next token chosen (`pick` at t)."""
-    logits, cache = transformer.forward(params, tok_B[:, None], cache=cache, cache_index=slot,
-                                        positions_BxT=positions_B[:, None], kv_mask_BxS=kv_mask_BxS,
-                                        **_forward_kwargs(cfg, precision))
-    return pick(logits[:, 0], u_B, noise_key_data_Bx2, t, precision=precision, sampling=sampling), cache
+    attending to the slots up to its own that `kv_mask_BxS` marks real; then the next token chosen (`pick` at t).
+    Returns (the choice, the cache), and with `return_routing` the fed token's expert ids per sparse layer
+    [Ls, B, k]."""
+    logits, cache, *routing = transformer.forward(params, tok_B[:, None], cache=cache, cache_index=slot,
+                                                  positions_BxT=positions_B[:, None], kv_mask_BxS=kv_mask_BxS,
+                                                  return_routing=return_routing, **_forward_kwargs(cfg, precision))
+    choice = pick(logits[:, 0], u_B, noise_key_data_Bx2, t, precision=precision, sampling=sampling)
+    return (choice, cache, routing[0][:, :, 0]) if return_routing else (choice, cache)

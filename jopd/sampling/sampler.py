@@ -11,7 +11,8 @@ and the choice).
 Per generated token the output holds the processed logprob (log-probability of the sampled token under the
 distribution actually sampled from: after logit noise, temperature, top-k/top-p truncation and renormalization; 0
 for greedy) and the unprocessed logprob (after noise and temperature only); optionally the full unprocessed
-log-softmax [B, N, V] fp32, for the exact mismatch KL (see `jopd.lab.position_kl`).
+log-softmax [B, N, V] fp32, for the exact mismatch KL (see `jopd.lab.position_kl`), and for a mixture-of-experts
+model each token's expert ids per sparse layer (`return_routing`: what routing replay and the flip rate read).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class Sampler:
             else:
                 b, c = self.shardings.batch, self.shardings.cache_dict
                 out = SampleOutput(b, b, b, b, b, b if self.sampling.return_full_logprobs else None,
-                                   b if self.sampling.return_topk else None, c, NamedSharding(b.mesh, PartitionSpec()))
+                                   b if self.sampling.return_topk else None,
+                                   b if self.sampling.return_routing else None, c,
+                                   NamedSharding(b.mesh, PartitionSpec()))
                 self._programs[program] = jax.jit(
                     bind(program, self.cfg, precision, sampling, self.shards), donate_argnums=(4,),
                     in_shardings=(self.shardings.params, b, b, b, c), out_shardings=out)

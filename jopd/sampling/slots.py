@@ -22,7 +22,7 @@ from jaxtyping import Array, Bool, Int
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.sampling import decode
-from jopd.sampling.config import RowRandomness, SampleOutput, SamplingConfig, stop_and_pad_ids
+from jopd.sampling.config import RowRandomness, SampleOutput, SamplingConfig, routing_buffer, stop_and_pad_ids
 from jopd.sampling.precision import PrecisionConfig
 
 
@@ -66,9 +66,10 @@ def sample_slots(
     n_prompt_U = jnp.sum(mask_UxP, axis=1, dtype=jnp.int32)
 
     # 1. Prefill every prompt once, into buffers of the slots' length (the static engine's prefill arithmetic).
+    routing = sampling.return_routing  # record each fed token's experts (`SampleOutput.expert_ids_BxSxLsxk`)
     pcache = jax.tree.map(lambda c: jnp.zeros((U,) + c.shape[1:], c.dtype), cache)
-    logits_UxV, pcache = decode.prefill(params, prompt_UxP, mask_UxP, pcache, cfg=cfg, precision=precision,
-                                        max_new_tokens=N)
+    logits_UxV, pcache, *prompt_ids = decode.prefill(params, prompt_UxP, mask_UxP, pcache, cfg=cfg,
+                                                     precision=precision, max_new_tokens=N, return_routing=routing)
     prompt_kv = jax.tree.map(lambda c: c[:, :, :P], pcache)  # [U, K, P, Dh] per layer
 
     row_prompt_R = jnp.arange(R) // group  # global prompt of each row (in its row's shard)
@@ -87,6 +88,10 @@ def sample_slots(
         out["full"] = jnp.zeros((R, N, V), jnp.float32).at[:, 0].set(full0)
     if sampling.return_topk:
         out["topk"] = jnp.zeros((R, N, sampling.return_topk), jnp.int32).at[:, 0].set(topk0)
+    if routing:  # each row its prompt's real tokens (one prefill per prompt); response tokens as they are fed back
+        buf = routing_buffer(cfg, R, P + N)
+        ids_UxPxLsxk = jnp.where(mask_UxP[:, :, None, None], prompt_ids[0].transpose(1, 2, 0, 3).astype(buf.dtype), -1)
+        out["experts"] = buf.at[:, :P].set(ids_UxPxLsxk[row_prompt_R])
 
     def global_rows(local_SHxSl):
         return (jnp.arange(shards)[:, None] * Rl + local_SHxSl).reshape(S)
@@ -121,11 +126,15 @@ def sample_slots(
         prompt = row_prompt_R[row]
         kv_mask = jnp.concatenate([mask_UxP[prompt], jnp.arange(N)[None, :] < t[:, None]], axis=1)
         t_safe = jnp.minimum(t, N - 1)  # a finished slot's t may be N: its pick is discarded
-        (tok, logp, ulogp, full, topk), state["cache"] = decode.decode_step(
+        (tok, logp, ulogp, full, topk), state["cache"], *ids = decode.decode_step(
             params, state["tok"], state["cache"], P + t - 1, n_prompt_U[prompt] + t - 1, kv_mask,
-            rand.uniforms_BxN[row, t_safe], rand.noise_key_data_Bx2[row], t_safe, cfg=cfg, **choice)
+            rand.uniforms_BxN[row, t_safe], rand.noise_key_data_Bx2[row], t_safe, cfg=cfg, return_routing=routing,
+            **choice)
         o = state["out"]
         at = (jnp.where(live, row, R), t_safe)  # finished slots write nowhere
+        if routing:  # a live slot fed its row's token t-1 (at P + t - 1), and the row goes on
+            fed = ids[0].transpose(1, 0, 2).astype(o["experts"].dtype)
+            o["experts"] = o["experts"].at[at[0], P + t - 1].set(fed, mode="drop")
         o["tokens"] = o["tokens"].at[at].set(tok, mode="drop")
         o["logp"] = o["logp"].at[at].set(logp, mode="drop")
         o["ulogp"] = o["ulogp"].at[at].set(ulogp, mode="drop")
@@ -154,7 +163,8 @@ def sample_slots(
     o = state["out"]
     return SampleOutput(tokens_BxN=o["tokens"], lengths_B=o["lengths"], logprobs_BxN=o["logp"],
                         unprocessed_logprobs_BxN=o["ulogp"], done_B=o["done"], full_logprobs_BxNxV=o.get("full"),
-                        topk_ids_BxNxK=o.get("topk"), cache=state["cache"], decode_iterations=state["iterations"])
+                        topk_ids_BxNxK=o.get("topk"), expert_ids_BxSxLsxk=o.get("experts"), cache=state["cache"],
+                        decode_iterations=state["iterations"])
 
 
 def slot_iterations(lengths_R, slots: int, shards: int = 1) -> int:

@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Int
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.sampling import decode
-from jopd.sampling.config import RowRandomness, SampleOutput, SamplingConfig, stop_and_pad_ids
+from jopd.sampling.config import RowRandomness, SampleOutput, SamplingConfig, routing_buffer, stop_and_pad_ids
 from jopd.sampling.precision import PrecisionConfig
 
 
@@ -41,8 +41,9 @@ def sample_static(
     n_prompt_B = jnp.sum(mask, axis=1, dtype=jnp.int32)
     choice = dict(precision=precision, sampling=sampling)
 
-    logits_BxV, cache = decode.prefill(params, prompt_BxP, mask, cache, cfg=cfg, precision=precision,
-                                       max_new_tokens=N)
+    routing = sampling.return_routing  # record each fed token's experts (`SampleOutput.expert_ids_BxSxLsxk`)
+    logits_BxV, cache, *prompt_ids = decode.prefill(params, prompt_BxP, mask, cache, cfg=cfg, precision=precision,
+                                                    max_new_tokens=N, return_routing=routing)
 
     def u_at(t):
         return jax.lax.dynamic_index_in_dim(rand.uniforms_BxN, t, axis=1, keepdims=False)
@@ -77,6 +78,10 @@ def sample_static(
         state["full"] = jnp.zeros((B, N, V), jnp.float32)
     if sampling.return_topk:
         state["topk"] = jnp.zeros((B, N, sampling.return_topk), jnp.int32)
+    if routing:  # the prompt's real tokens from the prefill; response tokens as they are fed back
+        buf = routing_buffer(cfg, B, P + N)
+        ids = jnp.where(mask[:, :, None, None], prompt_ids[0].transpose(1, 2, 0, 3).astype(buf.dtype), -1)
+        state["experts"] = buf.at[:, :P].set(ids)
     t0 = jnp.int32(0)
     state = record(state, 0, decode.pick(logits_BxV, u_at(t0), rand.noise_key_data_Bx2, t0, **choice))
 
@@ -85,8 +90,13 @@ def sample_static(
 
     def body(state):
         t = state["t"]  # feed token t-1 (slot P+t-1), then choose token t
-        c, state["cache"] = decode.decode_step(params, state["tok"], state["cache"], P + t - 1, n_prompt_B + t - 1,
-                                               kv_mask_BxS, u_at(t), rand.noise_key_data_Bx2, t, cfg=cfg, **choice)
+        c, state["cache"], *ids = decode.decode_step(
+            params, state["tok"], state["cache"], P + t - 1, n_prompt_B + t - 1, kv_mask_BxS, u_at(t),
+            rand.noise_key_data_Bx2, t, cfg=cfg, return_routing=routing, **choice)
+        if routing:  # token t-1 is fed for the trainer iff its row goes on (a finished row feeds padding)
+            fed = jnp.where(state["done"][:, None, None], -1, ids[0].transpose(1, 0, 2))
+            state["experts"] = jax.lax.dynamic_update_index_in_dim(state["experts"], fed.astype(state["experts"].dtype),
+                                                                   P + t - 1, 1)
         state = record(state, t, c)
         state["t"] = t + 1
         return state
@@ -95,4 +105,5 @@ def sample_static(
     return SampleOutput(tokens_BxN=state["tokens"], lengths_B=state["lengths"], logprobs_BxN=state["logp"],
                         unprocessed_logprobs_BxN=state["ulogp"], done_B=state["done"],
                         full_logprobs_BxNxV=state.get("full"), topk_ids_BxNxK=state.get("topk"),
-                        cache=state["cache"], decode_iterations=state["t"] - 1)
+                        expert_ids_BxSxLsxk=state.get("experts"), cache=state["cache"],
+                        decode_iterations=state["t"] - 1)

@@ -110,6 +110,46 @@ def test_sampler_logprobs_match_transformers(tmp_path):
     np.testing.assert_array_equal(toks, np.argmax(np.asarray(ref), -1))  # greedy generation agrees too
 
 
+def test_replayed_routing_through_the_forward_matches_transformers_with_its_router_forced(tmp_path):
+    """`transformer.forward(..., replay_experts_LsxBxTxk=...)` on a mixed schedule (sparse, dense, sparse: the
+    unrolled layers) against transformers with every router's choice replaced by the same forced experts (a forward
+    hook) and the gate weights its own softmax at them, renormalized: the logits agree, the forward returns each
+    router's own choice, and -1 keeps it."""
+    model = _checkpoint("mixed", tmp_path)
+    cfg, params = io.load_params(tmp_path)
+    toks, mask = right_padded_batch(cfg.vocab_size)
+    B, T_ = toks.shape
+    E, k, Ls = cfg.num_experts, cfg.num_experts_per_tok, len(cfg.sparse_layers)
+    rng = np.random.default_rng(4)
+    forced = np.stack([[[rng.choice(E, k, replace=False) for _ in range(T_)] for _ in range(B)]
+                       for _ in range(Ls)]).astype(np.int32)  # [Ls, B, T, k]
+    forced[0, 1] = -1  # row 1 keeps the first sparse layer's own choice
+
+    fwd = jax.jit(lambda replay: T.forward(params, jnp.asarray(toks), cfg=cfg, attn_mask_BxT=jnp.asarray(mask),
+                                           return_routing=True, replay_experts_LsxBxTxk=replay))
+    logits, _, own = fwd(jnp.asarray(forced))
+    free_logits, _, free_own = fwd(jnp.full_like(jnp.asarray(forced), -1))
+    own, free_own = np.asarray(own), np.asarray(free_own)
+    np.testing.assert_array_equal(own[0, 1], free_own[0, 1])  # before any replayed layer: the same hidden states
+
+    sparse_block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock
+    hooks, gates = [], [layer.mlp.gate for layer in model.model.layers if isinstance(layer.mlp, sparse_block)]
+    for i, gate in enumerate(gates):
+        def replace(module, inputs, out, i=i):
+            ids = torch.as_tensor(np.where(forced[i] >= 0, forced[i], own[i]).reshape(B * T_, k), dtype=torch.long)
+            w = torch.softmax(out[0].float(), dim=-1).gather(1, ids)
+            return out[0], w / w.sum(-1, keepdim=True), ids
+        hooks.append(gate.register_forward_hook(replace))
+    ref, _ = _hf_run(model, toks, mask, T.positions_from_mask(jnp.asarray(mask)))
+    for h in hooks:
+        h.remove()
+    delta = float(np.abs(np.asarray(logits) - ref)[mask].max())
+    assert delta <= REL * float(np.abs(ref[mask]).max())
+    assert float(np.abs(np.asarray(logits) - np.asarray(free_logits))[mask].max()) > 100 * delta  # it did replay
+    chosen = (forced >= 0) & mask[None, :, :, None]
+    assert np.mean(np.sort(own, -1)[chosen[..., 0]] != np.sort(forced, -1)[chosen[..., 0]]) > 0.5  # mostly not its pick
+
+
 def test_export_round_trip_of_a_mixed_schedule(tmp_path):
     """save_hf -> transformers loads it as Qwen3MoeForCausalLM with the same logits; load_params gives back the
     same config and params (HF's per-expert tensor names both ways)."""
@@ -208,3 +248,72 @@ def test_int8_rollout_weights_quantize_each_expert_and_keep_the_router(mlp_only_
             w = np.asarray(lp[name], np.float64)  # [E, in, out]
             scale = np.abs(w).max(axis=1, keepdims=True) / 127.0
             np.testing.assert_allclose(qp[name], np.round(w / scale) * scale, rtol=1e-5, atol=1e-7)
+
+
+def test_replayed_experts_run_with_the_routers_probabilities_at_them():
+    """Routing replay in one sparse layer (`moe.sparse_mlp`'s `replay_BxTxk`) against a numpy hand computation: each
+    token runs exactly the forced experts, weighted by the router's softmax at them renormalized over them
+    (norm_topk_prob), and the router's gradient (analytic: d w_j / d l_e = w_j (1[e = j] - w_e) on the forced set)
+    reaches the forced experts' columns although the router ranks them last, and not its own top-k's (which did
+    not run). All -1 (no replay) is the router's own choice bit for bit."""
+    rng = np.random.default_rng(3)
+    N, D, I, E, k = 6, 5, 4, 4, 2
+    cfg = ModelConfig(family="qwen3_moe", hidden_size=D, qk_norm=True, num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=I, norm_topk_prob=True)
+    u = rng.normal(size=D)
+    u /= np.linalg.norm(u)
+    h = rng.uniform(1.0, 2.0, (N, 1)) * u + 0.05 * rng.normal(size=(N, D))  # every token's top-2 is {0, 1}
+    lp = {"router": np.outer(u, [3.0, 2.5, -2.5, -3.0]) + 0.1 * rng.normal(size=(D, E)),
+          "expert_gate": rng.normal(size=(E, D, I)), "expert_up": rng.normal(size=(E, D, I)),
+          "expert_down": rng.normal(size=(E, I, D))}
+    forced = np.array([[2, 3], [3, 2]] * (N // 2))  # the two experts the router ranks last, in either order
+    probe = rng.normal(size=(N, D))
+
+    # numpy, float64
+    logits = h @ lp["router"]
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    assert np.all(np.sort(np.argsort(-probs, 1)[:, :k], 1) == [0, 1])
+    w = np.take_along_axis(probs, forced, 1)
+    w /= w.sum(1, keepdims=True)
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    y_Nxk = np.stack([[silu(h[n] @ lp["expert_gate"][e]) * (h[n] @ lp["expert_up"][e]) @ lp["expert_down"][e]
+                       for e in forced[n]] for n in range(N)])  # [N, k, D]
+    y_ref = np.einsum("nk,nkd->nd", w, y_Nxk)
+    g = np.einsum("nd,nkd->nk", probe, y_Nxk)  # d L / d w
+    W = np.zeros((N, E))
+    np.put_along_axis(W, forced, w, 1)
+    dlogits = np.zeros((N, E))
+    for j in range(k):
+        onehot = np.zeros((N, E))
+        np.put_along_axis(onehot, forced[:, j:j + 1], 1.0, 1)
+        dlogits += (g[:, j] * w[:, j])[:, None] * (onehot - W)
+    grad_router_ref = h.T @ dlogits
+
+    h32, probe32 = jnp.asarray(h[None], jnp.float32), jnp.asarray(probe[None], jnp.float32)
+    lp32 = {name: jnp.asarray(a, jnp.float32) for name, a in lp.items()}
+
+    @jax.jit
+    def run(lp, replay):
+        def loss(lp):
+            y, own = moe.sparse_mlp(cfg, lp, h32, jnp.float32, replay)
+            return jnp.sum(probe32 * y), (y, own)
+        return jax.grad(loss, has_aux=True)(lp)
+
+    grads, (y, own) = run(lp32, jnp.asarray(forced[None], jnp.int32))
+    np.testing.assert_allclose(np.asarray(y)[0], y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.sort(np.asarray(own)[0], 1), np.tile([0, 1], (N, 1)))  # what it would pick
+    np.testing.assert_allclose(grads["router"], grad_router_ref, rtol=1e-4, atol=1e-6)
+    col = np.linalg.norm(np.asarray(grads["router"]), axis=0)
+    # the forced experts' columns only (analytically 0 for the others: the renormalization cancels the softmax's
+    # denominator; in fp32 a rounding residue)
+    assert np.all(col[2:] > 0.1) and np.all(col[:2] < 1e-5 * col[2:].min())
+    assert float(np.abs(np.asarray(grads["expert_up"])[:2]).max()) == 0.0  # the router's own picks never ran
+
+    free = jax.jit(jax.grad(lambda lp: jnp.sum(probe32 * moe.sparse_mlp(cfg, lp, h32, jnp.float32)[0])))(lp32)
+    col = np.linalg.norm(np.asarray(free["router"]), axis=0)
+    assert np.all(col[:2] > 0.1) and np.all(col[2:] < 1e-5 * col[:2].min())  # without replay: the opposite columns
+    grads_none, (y_none, _) = run(lp32, jnp.full((1, N, k), -1, jnp.int32))  # -1: the router's own choice
+    y_free = moe.sparse_mlp(cfg, lp32, h32, jnp.float32)[0]
+    np.testing.assert_array_equal(np.asarray(y_none), np.asarray(jax.jit(lambda: y_free)()))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), grads_none, free)
