@@ -397,9 +397,17 @@ def test_model_flops_and_json(costed):
     head = lambda m: m.hidden_size * m.vocab_size  # noqa: E731
     layers = lambda m: arch.param_count(m) - head(m) * (1 if m.tie_word_embeddings else 2) - m.hidden_size  # noqa: E731
     B, P, N = 8, 16, 8
-    assert r.model_flops == {"weight_sync": 0.0, "sample": 2 * (layers(s) * (B * P + B * (N - 1)) + head(s) * B * N),
-                             "teacher_scoring": 2 * (layers(t) * B * (P + N) + head(t) * B * N),
-                             "train_step": 6 * (layers(s) * B * (P + N) + head(s) * B * N)}
+
+    def attention(m, T):  # one forward's score and value matmuls: query i against keys 0..i, per head and layer
+        return sum(2 * 2 * (i + 1) * m.head_dim * m.num_heads * m.num_layers for i in range(T))
+
+    # a decode step feeding response token i - 1 attends to the prompt and the tokens up to it: P + i keys
+    decode = sum(2 * 2 * (P + i) * s.head_dim * s.num_heads * s.num_layers for i in range(1, N))
+    assert r.model_flops == pytest.approx({
+        "weight_sync": 0.0,
+        "sample": 2 * (layers(s) * (B * P + B * (N - 1)) + head(s) * B * N) + B * (attention(s, P) + decode),
+        "teacher_scoring": 2 * (layers(t) * B * (P + N) + head(t) * B * N) + B * attention(t, P + N),
+        "train_step": 6 * (layers(s) * B * (P + N) + head(s) * B * N) + 3 * B * attention(s, P + N)}, rel=1e-12)
     d = json.loads(report.to_json())["roofline"]
     assert d["chip"] == "v5e" and d["chips"] == 8 and d["rollout_tokens"] == B * N
     assert [s["name"] for s in d["stages"]] == list(aot.STAGES) and d["step_s"] == pytest.approx(r.step_s)
