@@ -1,11 +1,12 @@
-"""Decode cost vs the cache's filled length on CPU: one decode step (a new token per row against a KV cache of
-`--slots` slots) when the rows have filled only part of it, `xla` (reads every slot) vs `chunked` (skips the slot
-tiles past every row's write slot) side by side.
+"""Decode cost vs the cache's filled length on CPU: the attention of one decode step (a new query per row against
+one layer's KV cache of `--slots` slots, the seam's cached call) when the rows have filled only part of it, `xla`
+(reads every slot) vs `chunked` (skips the slot tiles past every row's write slot) side by side. Only the
+attention is timed: the rest of a decode step (projections, the cache write) does not depend on the fill.
 
   same     every row at the same slot F (the static engine): F = 512 ... S
   ragged   the rows at different slots, the longest at F (the slot engine): rows at F/8, F/4, F/2, F
 
-The model is long_context.py's (2 layers, hidden 256, 8 query / 2 KV heads of 64, fp32), batch 4. Time is the
+The shapes are long_context.py's model's (8 query / 2 KV heads of 64, fp32), batch 4. Time is the
 median of `--repeats` runs after a warm-up (compile excluded).
 
     PYTHONPATH=. python benchmarks/decode_fill.py [--slots 8192] [--repeats 5]
@@ -32,17 +33,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jopd.models import transformer  # noqa: E402
-from jopd.models.config import ModelConfig  # noqa: E402
+from jopd.models.attention import ATTENTION  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-B = 4
+B, H, K, Dh = 4, 8, 2, 64
 
 
-def step_fn(cfg: ModelConfig, attention: str):
-    def step(params, tok_Bx1, cache, slot_B, kv_mask_BxS):
-        return transformer.forward(params, tok_Bx1, cfg=cfg, cache=cache, cache_index=slot_B, kv_mask_BxS=kv_mask_BxS,
-                                   positions_BxT=slot_B[:, None], attention=attention)[0]
+def step_fn(attention: str):
+    def step(q_Bx1xHxDh, k_BxKxSxDh, v_BxKxSxDh, slot_B, kv_mask_BxS):
+        return ATTENTION[attention].cached(q_Bx1xHxDh, k_BxKxSxDh, v_BxKxSxDh, slot=slot_B, kv_mask_BxS=kv_mask_BxS,
+                                           dtype=jnp.float32)
 
     return jax.jit(step)
 
@@ -64,13 +64,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks/results"))
     args = ap.parse_args()
     S = args.slots
-    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
-                      num_kv_heads=2, head_dim=64, max_position_embeddings=max(S, 8192))
-    params = transformer.init_params(cfg, jax.random.key(0))
-    cache = transformer.init_cache(cfg, B, S)
-    tok = jnp.ones((B, 1), jnp.int32)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (B, 1, H, Dh))
+    k, v = (jax.random.normal(key, (B, K, S, Dh)) for key in keys[1:])
     fills = [f for f in (512, 1024, 2048, 4096, 8192, 16384) if f <= S]
-    fns = {name: step_fn(cfg, name) for name in ("xla", "chunked")}
+    fns = {name: step_fn(name) for name in ("xla", "chunked")}
     rows = []
     for kind in ("same", "ragged"):
         for F in tqdm(fills, desc=kind, leave=False):
@@ -79,9 +77,9 @@ def main() -> int:
             mask_BxS = jnp.arange(S)[None, :] <= slot_B[:, None]
             rec = {"kind": kind, "fill": F}
             for name, fn in fns.items():
-                rec[f"{name}_ms"] = 1e3 * seconds(fn, (params, tok, cache, slot_B, mask_BxS), args.repeats)
+                rec[f"{name}_ms"] = 1e3 * seconds(fn, (q, k, v, slot_B, mask_BxS), args.repeats)
             rows.append(rec)
-    print(f"one decode step, {B} rows, a cache of {S} slots (ms; median of {args.repeats})")
+    print(f"one decode step's attention, {B} rows, one layer's cache of {S} slots (ms; median of {args.repeats})")
     print(f"{'rows at':<8} {'longest fill':>12} {'xla':>8} {'chunked':>8} {'chunked/xla':>12}")
     for r in rows:
         print(f"{r['kind']:<8} {r['fill']:>12} {r['xla_ms']:>8.2f} {r['chunked_ms']:>8.2f} "
