@@ -83,7 +83,7 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
             compiled, secs, error = compile_stage(name, lower)
         reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
-                                   error, None if compiled is None else Cost.of(compiled)))
+                                   error, None if compiled is None else Cost.of(compiled, num_devices=len(devices))))
 
     models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,

@@ -318,7 +318,7 @@ def test_roofline_arithmetic_by_hand():
     assert d["step_s"] == r.step_s and [s["bound"] for s in d["stages"]] == ["HBM", "compute"]
     assert d["stages"][0]["parts"][1] | {} == {"name": "decode", "count": 100, "compile_s": 0.0, "error": None,
                                               "flops": 0.001 * f, "bytes": 0.01 * b, "extra_pass_flops": 0.0,
-                                              "loops": 0}
+                                              "loops": 0, "ici_bytes": 0.0, "ici_steps": 0.0}
     table = r.table()
     assert "prefill x1 + decode x100" in table and "predicted step 2.7 s" in table and "MFU" in table
     # two devices per chip: each device has half the chip's peaks
