@@ -13,8 +13,7 @@ shardings, so `peak = total + resident` is what must fit in the device's HBM (`s
 
 With `cost=True` it also predicts the step's time on the chip (`sizing.cost`, `sizing.roofline`): XLA's
 `cost_analysis()` counts a loop body once, so the FLOPs, bytes and collectives come from loop-free cost programs
-lowered with the same shardings (with one and two layers per model, extrapolated to all layers), each multiplied
-by how often the real stage runs it; the memory report stays the real, looped programs'.
+lowered with the same shardings, each compiled once and multiplied by how often the real stage runs it; the memory report stays the real, looped programs'.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ from jopd.sampling.engines import engine_of
 @dataclasses.dataclass(frozen=True)
 class CostProgram:
     """A part of a stage run `count` times per step, whose cost is sum(coefficient x cost of program) over
-    `terms` (program keys of `Programs.lower`): one program, a layer-extrapolated one (`_layered`), or a loop body
-    (`derived`: two programs that differ only by the body's size)."""
+    `terms` (program keys of `Programs.lower`): one program, or a loop body (`derived`: two programs that differ
+    only by the body's size)."""
 
     name: str
     count: int
@@ -60,11 +60,11 @@ class Programs:
 def cost_programs(step: OPDStep, ins: StepInputs) -> Programs:
     """The programs whose cost, times their runs, is each looped stage's: the rollout as one prefill and one decode
     step (every row at the full cache length; the static engine's worst case: every row decodes max_new_tokens,
-    i.e. max_new_tokens - 1 steps after the prefill's token); teacher scoring and the train step, their loss chunk
-    loop's body counted once there and its other chunks' from programs at chunk sizes c and c' (`_chunk_parts`).
-    All run their layers unrolled (`transformer.unstack_layers`) and few of them (`_layered`): a model of L alike
-    layers costs P(1) + (L - 1) x (P(2) - P(1)), from programs with one and two of its layers, instead of
-    compiling all L. The weight sync has no loop: its own program is its cost program."""
+    i.e. max_new_tokens - 1 steps after the prefill's token); teacher scoring and the train step with the layers
+    unrolled (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other chunks'
+    from one-layer steps at chunk sizes c and c' (a single chunk of every position may not fit the device; the
+    body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c'))). The weight sync has no loop: its
+    own program is its cost program."""
     cfg = step.cfg
     variants = _Variants(step)
     N = cfg.sampling.max_new_tokens
@@ -79,55 +79,34 @@ def cost_programs(step: OPDStep, ins: StepInputs) -> Programs:
             lower[k] = variants.lowering(kind, layers, chunk)
         return k
 
-    students = (0,)  # the models a stage runs: 0 the student, 1.. the teachers
-    scorers = tuple(1 + i for i, rows in enumerate(teacher_rows(step)) if rows) + ((0,) if step.uses_reference else ())
+    full, one, chunk = variants.layers, (1,) * len(variants.layers), cfg.loss.chunk_size
     sample = variants.rollout_counts(ins)
     parts = {
-        "sample": [_layered(name, count, functools.partial(key, name), variants, students, cfg.loss.chunk_size)
-                   for name, count in sample.items()],
-        "teacher_scoring": [_layered("forward", 1, functools.partial(key, "score"), variants, scorers,
-                                     cfg.loss.chunk_size)],
-        "train_step": [_layered("update", updates, functools.partial(key, "update"), variants, students,
-                                cfg.loss.chunk_size)],
+        "sample": [CostProgram(name, count, ((1.0, key(name, full, chunk)),)) for name, count in sample.items()],
+        "teacher_scoring": [CostProgram("forward", 1, ((1.0, key("score", full, chunk)),))],
+        "train_step": [CostProgram("update", updates, ((1.0, key("update", full, chunk)),))],
     }
     chunks = -(-N // c)  # the scoring's chunks; the update's run loss_chunk positions each
     update_chunks = -(-N // min(loss_chunk(step.loss_cfg), N))
-    base = variants.base
     scale = c / (c - c2)
     # the update's chunk at loss.chunk_size c runs loss_chunk(c) positions: the difference still gives its body
     for stage, kind, name, count in (("teacher_scoring", "score", "chunk", chunks - 1),
                                      ("train_step", "update", "loss chunk", (update_chunks - 1) * updates)):
         if count > 0:
-            parts[stage].append(CostProgram(name, count, ((scale, key(kind, base, c)), (-scale, key(kind, base, c2))),
+            parts[stage].append(CostProgram(name, count, ((scale, key(kind, one, c)), (-scale, key(kind, one, c2))),
                                             derived=True))
     return Programs(parts, lower)
 
 
-def _layered(name: str, count: int, key: Callable[[tuple[int, ...], int], str], variants: "_Variants",
-             models: tuple[int, ...], chunk: int) -> CostProgram:
-    """P(base) + sum over `models` of (L - 1) x (P(base with that model at 2 layers) - P(base)): every model at
-    one layer in the base, but for one whose layers differ (a mixed dense/sparse MoE schedule), compiled whole."""
-    base = variants.base
-    terms = {key(base, chunk): 1.0}
-    for m in models:
-        if base[m] == 1 and variants.layers[m] > 1:
-            more = key(base[:m] + (2,) + base[m + 1:], chunk)
-            extra = variants.layers[m] - 1
-            terms[more] = terms.get(more, 0.0) + extra
-            terms[key(base, chunk)] -= extra
-    return CostProgram(name, count, tuple((coef, k) for k, coef in terms.items()))
-
-
 class _Variants:
-    """The step rebuilt with fewer layers and another loss chunk size (one optimizer batch: no gradient
-    accumulation loop), and its cost programs' lowerings, built on first use."""
+    """The step rebuilt with its models' layers unrolled, some layers only (the chunk bodies) and another loss
+    chunk size (one optimizer batch: no gradient accumulation loop), and its cost programs' lowerings, built on
+    first use."""
 
     def __init__(self, step: OPDStep):
         self.step = step
         self.models = (step.student_cfg, *step.teacher_cfgs)
         self.layers = tuple(m.num_layers for m in self.models)
-        # one layer, or all of them for a model whose layers are not alike
-        self.base = tuple(1 if m.uniform_layers else m.num_layers for m in self.models)
         self._built: dict[tuple, tuple[OPDStep, StepInputs]] = {}
 
     def at(self, layers: tuple[int, ...], chunk: int) -> tuple[OPDStep, StepInputs]:

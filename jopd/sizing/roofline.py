@@ -121,9 +121,8 @@ class Cost:
 
     @staticmethod
     def linear(terms: Sequence[tuple[float, "Cost"]]) -> "Cost":
-        """sum(coefficient x cost): a loop body as scale x (P - P'), two programs that differ only by the body's
-        size, or a model's layers extrapolated from programs with one and two of them. `loops` is the first
-        program's (for a loop body: the loops it accounts for)."""
+        """sum(coefficient x cost), e.g. a loop body as scale x (P - P'), two programs that differ only by the
+        body's size. `loops` is the first program's (for a loop body: the loops it accounts for)."""
         fields = ("flops", "bytes", "extra_pass_flops", "ici_bytes", "ici_steps")
         sums = {f: sum(coef * getattr(cost, f) for coef, cost in terms) for f in fields}
         return Cost(loops=terms[0][1].loops, **sums)
