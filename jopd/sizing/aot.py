@@ -79,10 +79,12 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     for name in bar:
         bar.set_postfix_str(name)
         lower, resident = programs[name]
+        kept = []  # the lowered program: its StableHLO gives the fp32 matmuls' MXU passes (`Cost.of`)
         with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
-            compiled, secs, error = compile_stage(name, lower)
+            compiled, secs, error = compile_stage(name, lambda lower=lower: kept.append(lower()) or kept[-1])
+        text = kept[-1].as_text() if kept and compiled is not None and chip is not None else None
         reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
-                                   error, None if compiled is None else Cost.of(compiled, num_devices=len(devices))))
+                                   error, None if compiled is None else Cost.of(compiled, text, len(devices))))
 
     models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,

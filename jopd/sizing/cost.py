@@ -57,10 +57,15 @@ class Programs:
     lower: dict[str, Callable[[], Any]]
 
 
-def cost_programs(step: OPDStep, ins: StepInputs) -> Programs:
+SAMPLER = "sampler program"  # the memory pass's own sampler program: prefill + one decode step (its loop body once)
+
+
+def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Programs:
     """The programs whose cost, times their runs, is each looped stage's: the rollout as one prefill and one decode
     step (every row at the full cache length; the static engine's worst case: every row decodes max_new_tokens,
-    i.e. max_new_tokens - 1 steps after the prefill's token); teacher scoring and the train step with the layers
+    i.e. max_new_tokens - 1 steps after the prefill's token; with `sampler`, the prefill is the sampler program
+    already compiled for memory (key `SAMPLER`: XLA counts its decode loop's body once) minus one decode step, so
+    it is not compiled again); teacher scoring and the train step with the layers
     unrolled (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other chunks'
     from one-layer steps at chunk sizes c and c' (a single chunk of every position may not fit the device; the
     body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c'))). The weight sync has no loop: its
@@ -86,6 +91,9 @@ def cost_programs(step: OPDStep, ins: StepInputs) -> Programs:
         "teacher_scoring": [CostProgram("forward", 1, ((1.0, key("score", full, chunk)),))],
         "train_step": [CostProgram("update", updates, ((1.0, key("update", full, chunk)),))],
     }
+    if sampler:
+        decode = key("decode", full, chunk)
+        parts["sample"][0] = CostProgram("prefill", 1, ((1.0, SAMPLER), (-1.0, decode)))
     chunks = -(-N // c)  # the scoring's chunks; the update's run loss_chunk positions each
     update_chunks = -(-N // min(loss_chunk(step.loss_cfg), N))
     scale = c / (c - c2)
@@ -248,11 +256,12 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
     and predict the step on `chip` (`roofline.Roofline`); the weight sync's cost is its own (loop-free) program's,
     from `reports`."""
     t0 = time.perf_counter()
-    programs = cost_programs(step, ins)
+    sampler = next((r.cost for r in reports if r.name == "sample" and r.cost is not None), None)
+    programs = cost_programs(step, ins, sampler=sampler is not None)
     options = _cost_options(step.mesh)
     wanted = [p for r in reports for p in programs.parts.get(r.name, ())]
-    keys = list(dict.fromkeys(k for p in wanted for _, k in p.terms))
-    compiled: dict[str, tuple[Cost | None, float, str | None]] = {}
+    compiled: dict[str, tuple[Cost | None, float, str | None]] = {SAMPLER: (sampler, 0.0, None)}
+    keys = [k for k in dict.fromkeys(k for p in wanted for _, k in p.terms) if k not in compiled]
     bar = tqdm(keys, desc="cost programs", disable=not progress, dynamic_ncols=True, leave=False)
     for k in bar:
         bar.set_postfix_str(k)
@@ -297,6 +306,9 @@ def _compile_cost(mesh, lower: Callable[[], Any], num_devices: int, options) -> 
 def _part(program: CostProgram, compiled: dict[str, tuple[Cost | None, float, str | None]], secs: float) -> Part:
     error = next((compiled[k][2] for _, k in program.terms if compiled[k][2]), None)
     cost = None if error else Cost.linear([(coef, compiled[k][0]) for coef, k in program.terms])
+    if cost is not None and program.terms[0][1] == SAMPLER:  # the prefill's own loops: not the decode loop's
+        looped, decode = (compiled[k][0] for _, k in program.terms)
+        cost = dataclasses.replace(cost, loops=max(0, looped.loops - decode.loops - 1))
     return Part(program.name, program.count, cost, secs, error, program.derived)
 
 

@@ -377,6 +377,28 @@ def test_cost_programs_count_every_layer_chunk_and_token(costed):
 
 
 @pytest.mark.slow
+def test_the_prefill_part_is_the_prefill_program(costed):
+    """The rollout's prefill part is the memory pass's sampler program minus one decode step (not compiled again):
+    the same FLOPs, MXU passes and loops as the prefill program compiled on its own."""
+    from jopd import parallel as meshlib
+    from jopd.opd.step import build_step
+    from jopd.sizing import cost as costmod
+    from jopd.sizing.roofline import Cost
+
+    cfg, report = costed
+    s, t = arch.model_config_of(cfg.student, "student"), arch.model_config_of(cfg.teacher, "teacher")
+    step = build_step(cfg, s, (t,), meshlib.make_mesh(cfg.mesh))
+    ins = stages.step_inputs(step)
+    with jax.set_mesh(step.mesh):
+        lowered = costmod._rollout_programs(step, ins)["prefill"][1]()
+        own = Cost.of(lowered.compile(), lowered.as_text(), 8)
+    prefill = next(p for p in report.roofline.stages[1].parts if p.name == "prefill")
+    assert prefill.cost.flops == pytest.approx(own.flops, rel=1e-4) and prefill.cost.loops == own.loops
+    assert own.extra_pass_flops > 0 and prefill.cost.extra_pass_flops == pytest.approx(own.extra_pass_flops, rel=1e-6)
+    assert prefill.cost.bytes == pytest.approx(own.bytes, rel=0.05)
+
+
+@pytest.mark.slow
 def test_cost_programs_equal_a_loop_free_real_step():
     """One layer and one loss chunk: the real scoring and update hold no loop, so XLA's cost of them is exact. With
     two chunks, the cost programs (one chunk counted in the program, the other from the one-layer pair) cost the
