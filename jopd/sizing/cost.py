@@ -65,9 +65,9 @@ def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Prog
     step (every row at the full cache length; the static engine's worst case: every row decodes max_new_tokens,
     i.e. max_new_tokens - 1 steps after the prefill's token; with `sampler`, the prefill is the sampler program
     already compiled for memory (key `SAMPLER`: XLA counts its decode loop's body once) minus one decode step, so
-    it is not compiled again); teacher scoring and the train step with the layers
-    unrolled (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other chunks'
-    from one-layer steps at chunk sizes c and c' (a single chunk of every position may not fit the device; the
+    it is not compiled again); teacher scoring and the train step with the layers unrolled
+    (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other chunks' from
+    one-layer steps at chunk sizes c and c' (a single chunk of every position may not fit the device; the
     body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c'))). The weight sync has no loop: its
     own program is its cost program."""
     cfg = step.cfg
