@@ -10,8 +10,11 @@ for the given TPU topology (needs libtpu: pip install 'jopd[tpu]'; no TPU needed
 the local devices. Prints per-device memory per stage; exits with an error if a stage does not fit in HBM.
 
 With --topology it also prints the step on paper (`jopd.sizing.roofline`): per stage XLA's FLOPs and bytes per device
-from loop-free cost programs, the roofline time on the chip's peaks, the predicted step time, rollout tokens/s per
-chip and MFU (--no-cost skips it: the cost programs take another compile of each looped stage).
+from loop-free cost programs, the bytes its collectives send over ICI, the predicted time on the chip's peaks (its
+compute/HBM bound plus its collectives, not overlapped; and with them overlapped), the predicted step time, rollout
+tokens/s per chip and MFU. The cost programs (the looped stages' layers unrolled, one prefill and one decode step,
+one-layer programs for the loss chunks) take about as long again as the stages themselves: --no-cost skips them,
+--stages compiles and costs only the stages named.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TPU topology to compile for, as libtpu names it: v5e:2x2, v5e:4x4 (v5litepod-16), "
                         "v5p:2x2x2 (v5p-16), v4:2x2x1, v6e:4x4 (default: the local devices)")
     p.add_argument("--out", default=None, help="also write the report as JSON (bytes per device) to this file")
-    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"comma-separated subset of {','.join(STAGES)}: only these are compiled and costed")
     p.add_argument("--hbm-gib", type=float, default=None,
                    help="HBM per device in GiB (default: from the device kind; unknown kinds are not checked)")
     p.add_argument("--no-cost", action="store_true",
-                   help="with --topology: skip the roofline (XLA's cost analysis of loop-free cost programs, "
-                        "the predicted step time, rollout tokens/s per chip, MFU), which compiles more programs")
+                   help="with --topology: skip the roofline (XLA's cost analysis and collectives of loop-free "
+                        "cost programs, the predicted step time, rollout tokens/s per chip, MFU): about as many "
+                        "compiles again as the stages themselves (use --stages to cost only some)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,9 +12,8 @@ sampling, the teacher while training, the kept KV cache, ...); `resident` adds t
 shardings, so `peak = total + resident` is what must fit in the device's HBM (`sizing.report`).
 
 With `cost=True` it also predicts the step's time on the chip (`sizing.cost`, `sizing.roofline`): XLA's
-`cost_analysis()` counts a loop body once, so the FLOPs and bytes come from loop-free cost programs lowered with
-the same shardings, each multiplied by how often the real stage runs it; the memory report stays the real,
-looped programs'.
+`cost_analysis()` counts a loop body once, so the FLOPs, bytes and collectives come from loop-free cost programs
+lowered with the same shardings, each compiled once and multiplied by how often the real stage runs it; the memory report stays the real, looped programs'.
 """
 
 from __future__ import annotations
@@ -80,10 +79,12 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     for name in bar:
         bar.set_postfix_str(name)
         lower, resident = programs[name]
+        kept = []  # the lowered program: its StableHLO gives the fp32 matmuls' MXU passes (`Cost.of`)
         with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
-            compiled, secs, error = compile_stage(name, lower)
+            compiled, secs, error = compile_stage(name, lambda lower=lower: kept.append(lower()) or kept[-1])
+        text = kept[-1].as_text() if kept and compiled is not None and chip is not None else None
         reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
-                                   error, None if compiled is None else Cost.of(compiled)))
+                                   error, None if compiled is None else Cost.of(compiled, text, len(devices))))
 
     models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,

@@ -40,73 +40,119 @@ from jopd.sampling.engines import engine_of
 
 @dataclasses.dataclass(frozen=True)
 class CostProgram:
-    """A loop-free program run `count` times per step. With `minus`: a loop body, whose cost is `scale` x (cost of
-    `lower` - cost of `minus`), two programs that differ only by the body's size."""
+    """A part of a stage run `count` times per step, whose cost is sum(coefficient x cost of program) over
+    `terms` (program keys of `Programs.lower`): one program, or a loop body (`derived`: two programs that differ
+    only by the body's size)."""
 
     name: str
     count: int
-    lower: Callable[[], Any]
-    minus: Callable[[], Any] | None = None
-    scale: float = 1.0
+    terms: tuple[tuple[float, str], ...]
+    derived: bool = False
 
 
-def cost_programs(step: OPDStep, ins: StepInputs) -> dict[str, list[CostProgram]]:
+@dataclasses.dataclass
+class Programs:
+    """The stages' cost programs and the loop-free programs they combine, each lowered (and compiled) once."""
+
+    parts: dict[str, list[CostProgram]]
+    lower: dict[str, Callable[[], Any]]
+
+
+SAMPLER = "sampler program"  # the memory pass's own sampler program: prefill + one decode step (its loop body once)
+
+
+def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Programs:
     """The programs whose cost, times their runs, is each looped stage's: the rollout as one prefill and one decode
     step (every row at the full cache length; the static engine's worst case: every row decodes max_new_tokens,
-    i.e. max_new_tokens - 1 steps after the prefill's token); teacher scoring and the train step with the layers
-    unrolled (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other
-    chunks' from one-layer steps (`_chunk_programs`: a single chunk of every position may not fit the device).
-    The weight sync has no loop: its own program is its cost program."""
+    i.e. max_new_tokens - 1 steps after the prefill's token; with `sampler`, the prefill is the sampler program
+    already compiled for memory (key `SAMPLER`: XLA counts its decode loop's body once) minus one decode step, so
+    it is not compiled again); teacher scoring and the train step with the layers unrolled
+    (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other chunks' from
+    one-layer steps at chunk sizes c and c' (a single chunk of every position may not fit the device; the
+    body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c'))). The weight sync has no loop: its
+    own program is its cost program."""
     cfg = step.cfg
-    flat = build_step(_cost_config(cfg, cfg.loss.chunk_size), step.student_cfg, step.teacher_cfgs, step.mesh,
-                      cross=step.cross)
-    score = jax.jit(_unjitted(flat.score_fn), out_shardings=step.shardings.batch)
-    state = _unstacked(ins.state)
-    update = jax.jit(_unjitted(flat.update_fn), out_shardings=(_shardings_of(state), None), donate_argnums=0)
-    teacher, reference = _unstacked(ins.teacher), _unstacked(ins.reference)
+    variants = _Variants(step)
+    N = cfg.sampling.max_new_tokens
+    c = min(cfg.loss.chunk_size, N)
+    c2 = c // 2 if c > 1 else 2
     updates = cfg.rl.inner_updates
-    programs = {
-        "sample": _rollout_programs(step, ins),
-        "teacher_scoring": [CostProgram("forward", 1,
-                                        lambda: score.lower(teacher, scoring_input(ins.rollout), *reference))],
-        "train_step": [CostProgram("update", updates, lambda: update.lower(state, ins.batch, *ins.head))],
+    lower: dict[str, Callable[[], Any]] = {}
+
+    def key(kind: str, layers: tuple[int, ...], chunk: int) -> str:
+        k = f"{kind} layers={','.join(map(str, layers))} chunk={chunk}"
+        if k not in lower:
+            lower[k] = variants.lowering(kind, layers, chunk)
+        return k
+
+    full, one, chunk = variants.layers, (1,) * len(variants.layers), cfg.loss.chunk_size
+    sample = variants.rollout_counts(ins)
+    parts = {
+        "sample": [CostProgram(name, count, ((1.0, key(name, full, chunk)),)) for name, count in sample.items()],
+        "teacher_scoring": [CostProgram("forward", 1, ((1.0, key("score", full, chunk)),))],
+        "train_step": [CostProgram("update", updates, ((1.0, key("update", full, chunk)),))],
     }
-    for name, program in _chunk_programs(step).items():
-        programs[name].append(dataclasses.replace(program, count=program.count * (updates if name == "train_step"
-                                                                                  else 1)))
-    return programs
+    if sampler:
+        decode = key("decode", full, chunk)
+        parts["sample"][0] = CostProgram("prefill", 1, ((1.0, SAMPLER), (-1.0, decode)))
+    chunks = -(-N // c)  # the scoring's chunks; the update's run loss_chunk positions each
+    update_chunks = -(-N // min(loss_chunk(step.loss_cfg), N))
+    scale = c / (c - c2)
+    # the update's chunk at loss.chunk_size c runs loss_chunk(c) positions: the difference still gives its body
+    for stage, kind, name, count in (("teacher_scoring", "score", "chunk", chunks - 1),
+                                     ("train_step", "update", "loss chunk", (update_chunks - 1) * updates)):
+        if count > 0:
+            parts[stage].append(CostProgram(name, count, ((scale, key(kind, one, c)), (-scale, key(kind, one, c2))),
+                                            derived=True))
+    return Programs(parts, lower)
+
+
+class _Variants:
+    """The step rebuilt with its models' layers unrolled, some layers only (the chunk bodies) and another loss
+    chunk size (one optimizer batch: no gradient accumulation loop), and its cost programs' lowerings, built on
+    first use."""
+
+    def __init__(self, step: OPDStep):
+        self.step = step
+        self.models = (step.student_cfg, *step.teacher_cfgs)
+        self.layers = tuple(m.num_layers for m in self.models)
+        self._built: dict[tuple, tuple[OPDStep, StepInputs]] = {}
+
+    def at(self, layers: tuple[int, ...], chunk: int) -> tuple[OPDStep, StepInputs]:
+        if (layers, chunk) not in self._built:
+            step = self.step
+            s_cfg, *t_cfgs = (dataclasses.replace(m, num_layers=n) for m, n in zip(self.models, layers))
+            flat = build_step(_cost_config(step.cfg, chunk), s_cfg, tuple(t_cfgs), step.mesh, cross=step.cross)
+            self._built[layers, chunk] = flat, step_inputs(flat)
+        return self._built[layers, chunk]
+
+    def rollout_counts(self, ins: StepInputs) -> dict[str, int]:
+        return {name: count for name, (count, _) in _rollout_programs(self.step, ins).items()}
+
+    def lowering(self, kind: str, layers: tuple[int, ...], chunk: int) -> Callable[[], Any]:
+        def lower():
+            flat, ins = self.at(layers, chunk)  # outside the mesh: building a step runs optax's init eagerly
+            with jax.set_mesh(flat.mesh):
+                return self._lower(kind, flat, ins)
+
+        return lower
+
+    @staticmethod
+    def _lower(kind: str, flat: OPDStep, ins: StepInputs):
+        if kind in ("prefill", "decode"):
+            return _rollout_programs(flat, ins)[kind][1]()
+        if kind == "score":
+            score = jax.jit(_unjitted(flat.score_fn), out_shardings=flat.shardings.batch)
+            return score.lower(_unstacked(ins.teacher), scoring_input(ins.rollout), *_unstacked(ins.reference))
+        state = _unstacked(ins.state)
+        update = jax.jit(_unjitted(flat.update_fn), out_shardings=(_shardings_of(state), None), donate_argnums=0)
+        return update.lower(state, ins.batch, *ins.head)
 
 
 def _cost_config(cfg: RunConfig, chunk_size: int) -> RunConfig:
     # one optimizer batch: the cost programs hold no gradient-accumulation loop
     return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, chunk_size=chunk_size),
                                optim=dataclasses.replace(cfg.optim, grad_accum_steps=1))
-
-
-def _chunk_programs(step: OPDStep) -> dict[str, CostProgram]:
-    """The loss chunk loop's body (scoring: the teacher's head and top-K per chunk; update: the student's head,
-    loss and their gradient per chunk), `chunks - 1` more times than the looped programs count it: from one-layer
-    steps at chunk sizes c and c' (the body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c')))."""
-    cfg, N = step.cfg, step.cfg.sampling.max_new_tokens
-    c = min(cfg.loss.chunk_size, N)
-    chunks = -(-N // c)  # the scoring's chunks; the update's run loss_chunk positions each
-    update_chunks = -(-N // min(loss_chunk(step.loss_cfg), N))
-    if chunks == 1 and update_chunks == 1:
-        return {}
-    c2 = c // 2 if c > 1 else 2
-    one_layer = lambda m: dataclasses.replace(m, num_layers=1)  # noqa: E731
-    teacher = tuple(map(one_layer, step.teacher_cfgs))
-    at = {k: build_step(_cost_config(cfg, k), one_layer(step.student_cfg), teacher, step.mesh, cross=step.cross)
-          for k in (c, c2)}
-    ins = step_inputs(at[c])
-    scored = scoring_input(ins.rollout)
-    score = lambda k: lambda: at[k].score_fn.lower(ins.teacher, scored, *ins.reference)  # noqa: E731
-    update = lambda k: lambda: at[k].update_fn.lower(ins.state, ins.batch, *ins.head)  # noqa: E731
-    scale = c / (c - c2)
-    # the update's chunk at loss.chunk_size c runs loss_chunk(c) positions: the difference still gives its body
-    out = {"teacher_scoring": CostProgram("chunk", chunks - 1, score(c), score(c2), scale),
-           "train_step": CostProgram("loss chunk", update_chunks - 1, update(c), update(c2), scale)}
-    return {k: p for k, p in out.items() if p.count > 0}
 
 
 def _unjitted(fn):
@@ -166,9 +212,9 @@ def _decode(step: OPDStep, params, tok_B, cache, kv_mask_BxS, positions_B, cache
     return _choice_out(step, c, cache)
 
 
-def _rollout_programs(step: OPDStep, ins: StepInputs) -> list[CostProgram]:
-    """The prefill (U prompts) and the decode step (one row per slot) with the sampler's shardings, and how many
-    decode steps the engine runs when every row decodes max_new_tokens (`Engine.decode_steps`)."""
+def _rollout_programs(step: OPDStep, ins: StepInputs) -> dict[str, tuple[int, Callable[[], Any]]]:
+    """The prefill (U prompts) and the decode step (one row per slot) with the sampler's shardings, each with how
+    often it runs: the decode steps the engine runs when every row decodes max_new_tokens (`Engine.decode_steps`)."""
     cfg, sh = step.cfg, step.shardings
     rows, S = step.rollout_rows, ins.slots
     U = rows // step.prefill_group
@@ -186,14 +232,13 @@ def _rollout_programs(step: OPDStep, ins: StepInputs) -> list[CostProgram]:
     decode = jax.jit(functools.partial(_decode, step), donate_argnums=2,
                      out_shardings=token_out | {"cache": _shardings_of(ins.cache)})
     steps = engine.decode_steps(np.full(rows, N), S, step.sampler.shards)
-    return [
-        CostProgram("prefill", 1, lambda: prefill.lower(ins.sampler_params, *ins.unique, per_row(U, jnp.float32),
-                                                        per_row(U, jnp.uint32, 2), prefill_cache)),
-        CostProgram("decode", steps, lambda: decode.lower(ins.sampler_params, per_row(S, jnp.int32), ins.cache,
-                                                          per_row(S, jnp.bool_, Pl + N), per_row(S, jnp.int32),
-                                                          index, per_row(S, jnp.float32), per_row(S, jnp.uint32, 2),
-                                                          index)),
-    ]
+    return {
+        "prefill": (1, lambda: prefill.lower(ins.sampler_params, *ins.unique, per_row(U, jnp.float32),
+                                             per_row(U, jnp.uint32, 2), prefill_cache)),
+        "decode": (steps, lambda: decode.lower(ins.sampler_params, per_row(S, jnp.int32), ins.cache,
+                                               per_row(S, jnp.bool_, Pl + N), per_row(S, jnp.int32), index,
+                                               per_row(S, jnp.float32), per_row(S, jnp.uint32, 2), index)),
+    }
 
 
 def _token_keys(step: OPDStep) -> tuple[str, ...]:
@@ -208,20 +253,31 @@ def _token_keys(step: OPDStep) -> tuple[str, ...]:
 
 def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport], chip: str, num_devices: int,
                  per_chip: int = 1, progress: bool = False) -> Roofline:
-    """Compile the cost programs of the reported stages and predict the step on `chip` (`roofline.Roofline`); the
-    weight sync's cost is its own (loop-free) program's, from `reports`."""
+    """Compile the cost programs of the reported stages (each loop-free program once, whichever parts share it)
+    and predict the step on `chip` (`roofline.Roofline`); the weight sync's cost is its own (loop-free) program's,
+    from `reports`."""
     t0 = time.perf_counter()
-    programs = cost_programs(step, ins)
+    sampler = next((r.cost for r in reports if r.name == "sample" and r.cost is not None), None)
+    programs = cost_programs(step, ins, sampler=sampler is not None)
     options = _cost_options(step.mesh)
-    stages = []
-    bar = tqdm(reports, desc="cost programs", disable=not progress, dynamic_ncols=True, leave=False)
-    for report in bar:
-        bar.set_postfix_str(report.name)
-        if report.name not in programs:
+    wanted = [p for r in reports for p in programs.parts.get(r.name, ())]
+    compiled: dict[str, tuple[Cost | None, float, str | None]] = {SAMPLER: (sampler, 0.0, None)}
+    keys = [k for k in dict.fromkeys(k for p in wanted for _, k in p.terms) if k not in compiled]
+    bar = tqdm(keys, desc="cost programs", disable=not progress, dynamic_ncols=True, leave=False)
+    for k in bar:
+        bar.set_postfix_str(k)
+        compiled[k] = _compile_cost(step.mesh, programs.lower[k], num_devices, options)
+    stages, seen = [], set()
+    for report in reports:
+        if report.name not in programs.parts:
             stages.append(StageCost(report.name, (Part(report.name, 1, report.cost, 0.0, report.error),)))
             continue
-        parts = tuple(_cost_part(step.mesh, p, num_devices, options) for p in programs[report.name])
-        stages.append(StageCost(report.name, parts + attention_parts(step, ins, report.name, num_devices)))
+        parts = []
+        for p in programs.parts[report.name]:
+            new = [k for _, k in p.terms if k not in seen]
+            seen.update(new)
+            parts.append(_part(p, compiled, sum(compiled[k][1] for k in new)))
+        stages.append(StageCost(report.name, tuple(parts) + attention_parts(step, ins, report.name, num_devices)))
     notes = _notes(step, stages, options)
     return Roofline(chip=chip, peak=CHIP_PEAKS[chip], num_devices=num_devices, devices_per_chip=per_chip,
                     stages=stages, rollout_tokens=step.rollout_rows * step.cfg.sampling.max_new_tokens,
@@ -238,20 +294,23 @@ def _cost_options(mesh) -> dict[str, Any] | None:
     return TPU_COST_OPTIONS if mesh.devices.flat[0].platform == "tpu" else None
 
 
-def _cost_part(mesh, program: CostProgram, num_devices: int, options) -> Part:
+def _compile_cost(mesh, lower: Callable[[], Any], num_devices: int, options) -> tuple[Cost | None, float, str | None]:
+    """(cost, compile seconds, the compiler's refusal) of one loop-free program."""
     t0 = time.perf_counter()
-    costs, error = [], None
-    for lower in (program.lower, program.minus):
-        if lower is None:
-            continue
-        with jax.set_mesh(mesh):
-            lowered = lower()
-            compiled, _, error = compile_stage(program.name, lambda: lowered, options)
-        if compiled is None:
-            break
-        costs.append(Cost.of(compiled, lowered.as_text(), num_devices))
-    cost = None if error else costs[0] if program.minus is None else costs[0].minus(costs[1], program.scale)
-    return Part(program.name, program.count, cost, time.perf_counter() - t0, error, program.minus is not None)
+    lowered = lower()
+    with jax.set_mesh(mesh):
+        compiled, _, error = compile_stage("cost program", lambda: lowered, options)
+    cost = None if compiled is None else Cost.of(compiled, lowered.as_text(), num_devices)
+    return cost, time.perf_counter() - t0, error
+
+
+def _part(program: CostProgram, compiled: dict[str, tuple[Cost | None, float, str | None]], secs: float) -> Part:
+    error = next((compiled[k][2] for _, k in program.terms if compiled[k][2]), None)
+    cost = None if error else Cost.linear([(coef, compiled[k][0]) for coef, k in program.terms])
+    if cost is not None and program.terms[0][1] == SAMPLER:  # the prefill's own loops: not the decode loop's
+        looped, decode = (compiled[k][0] for _, k in program.terms)
+        cost = dataclasses.replace(cost, loops=max(0, looped.loops - decode.loops - 1))
+    return Part(program.name, program.count, cost, secs, error, program.derived)
 
 
 def _passes(dtype) -> int:
@@ -338,8 +397,11 @@ def teacher_rows(step: OPDStep) -> tuple[int, ...]:
 
 def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
     cfg = step.cfg
-    notes = ["not modeled: collectives' ICI time, host work and dispatch, the loops' control, overlap of stages, "
-             "compiler efficiency (each program at 100% of the bound that binds: a lower bound on time)"]
+    notes = ["ICI: each collective of the cost programs as a bidirectional ring along one torus axis (bytes / "
+             "(chip ICI bandwidth / ports) + ring steps x hop latency), added to its program's compute/HBM time "
+             "(not overlapped; 'overlapped s' hides it under that time)",
+             "not modeled: host work and dispatch, the loops' control, overlap of stages, collectives over several "
+             "torus axes, compiler efficiency (each program at 100% of the bound that binds)"]
     if options:
         notes.append("cost programs compiled without XLA's windowed einsum (FSDP all-gather/reduce-scatter looped "
                      "with the matmul): the same FLOPs, the collectives' overlap with the matmuls not modeled")

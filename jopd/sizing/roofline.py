@@ -10,9 +10,16 @@ passes are added from the lowered StableHLO (`dot_flops_by_passes`).
 Attention that XLA cannot see (a Pallas kernel's custom call, the chunked entry's loops) is added on paper
 (`jopd.sizing.attention_cost`, an `attention[...]` part of its stage).
 
-What the prediction leaves out: collectives' ICI time (FSDP all-gathers, reduce-scatters), host work and
-dispatch between stages, the loops' own control, overlap of stages, and compiler efficiency (the roofline is a
-lower bound: 100% of peak FLOP/s or HBM bandwidth, whichever binds).
+Communication: every collective of a cost program (`jopd.sizing.collectives`: bytes each device sends, ring
+steps) is timed on the chip's ICI (`ICI`): bytes / the bandwidth of a bidirectional ring along one torus axis
+(the chip's ICI bandwidth / its ports: two ports, one direction each) + steps x a per-hop latency. A stage's time
+is its compute/HBM bound plus that communication, not overlapped (a conservative bound: XLA overlaps async
+collectives with compute where it can); the bound with every collective hidden under compute/HBM is reported
+beside it (`overlapped`).
+
+What the prediction leaves out: host work and dispatch between stages, the loops' own control, overlap of
+stages, a collective over several torus axes using more links, and compiler efficiency (the compute/HBM part is
+a lower bound: 100% of peak FLOP/s or HBM bandwidth, whichever binds).
 """
 
 from __future__ import annotations
@@ -23,21 +30,55 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jopd.sizing.collectives import collectives
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+    """A chip's ICI: bidirectional bandwidth per chip over its ports, the latency of one ring step, and where the
+    figures come from."""
+
+    bytes_per_s: float
+    ports: int
+    hop_s: float
+    source: str
+
+    @property
+    def ring_bytes_per_s(self) -> float:
+        """What one device sends per second in a bidirectional ring along one torus axis: two of its ports, one
+        direction each, i.e. the chip's bidirectional bandwidth / its ports."""
+        return self.bytes_per_s / self.ports
+
+
+# Per-chip bidirectional ICI bandwidth and ports: Google Cloud's TPU pages (v5e: 400 GB/s, 4 ports; v5p:
+# 1200 GB/s, 6 ports (3D torus); v6e: 800 GB/s, 4 ports). v4's page gives no per-chip figure: 6 ports (3D torus)
+# x 90 GB/s bidirectional per link (45 GB/s each way, the JAX scaling book's "How to think about TPUs" table) is
+# an assumption. HOP_S, 1 us per ring step (link latency plus the step's synchronisation), is an assumption for
+# every chip (no published figure): it only matters for small collectives.
+HOP_S = 1e-6
+ICI: dict[str, Interconnect] = {
+    "v4": Interconnect(540e9, 6, HOP_S, "assumed: 6 links x 2 x 45 GB/s (jax-ml.github.io/scaling-book/tpus)"),
+    "v5e": Interconnect(400e9, 4, HOP_S, "https://cloud.google.com/tpu/docs/v5e"),
+    "v5p": Interconnect(1200e9, 6, HOP_S, "https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": Interconnect(800e9, 4, HOP_S, "https://cloud.google.com/tpu/docs/v6e"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ChipPeak:
-    """Per-chip peaks: dense bf16 matmul FLOP/s and HBM bytes/s, with where the figures are published."""
+    """Per-chip peaks: dense bf16 matmul FLOP/s and HBM bytes/s, with where the figures are published; the ICI."""
 
     flops: float
     hbm_bytes_per_s: float
     source: str
+    ici: Interconnect | None = None
 
 
 CHIP_PEAKS: dict[str, ChipPeak] = {
-    "v4": ChipPeak(275e12, 1200e9, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": ChipPeak(197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": ChipPeak(459e12, 2765e9, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": ChipPeak(918e12, 1638e9, "https://cloud.google.com/tpu/docs/v6e"),
+    "v4": ChipPeak(275e12, 1200e9, "https://cloud.google.com/tpu/docs/v4", ICI["v4"]),
+    "v5e": ChipPeak(197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e", ICI["v5e"]),
+    "v5p": ChipPeak(459e12, 2765e9, "https://cloud.google.com/tpu/docs/v5p", ICI["v5p"]),
+    "v6e": ChipPeak(918e12, 1638e9, "https://cloud.google.com/tpu/docs/v6e", ICI["v6e"]),
 }
 # MXU passes of a float32 x float32 matmul by StableHLO precision (DEFAULT: one bf16 pass)
 F32_PASSES: dict[str, int] = {"DEFAULT": 1, "HIGH": 3, "HIGHEST": 6}
@@ -56,12 +97,15 @@ def program_loops(hlo_text: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """One compiled program, per device: XLA's FLOPs and bytes accessed, the MXU's extra bf16 passes for fp32
-    matmuls (as FLOPs), and the while loops left in it (XLA counts a loop body once)."""
+    matmuls (as FLOPs), the while loops left in it (XLA counts a loop body once), and its collectives: the bytes
+    a device sends over ICI and the ring steps they take (`collectives.collectives`)."""
 
     flops: float
     bytes: float
     extra_pass_flops: float = 0.0
     loops: int = 0
+    ici_bytes: float = 0.0
+    ici_steps: float = 0.0
 
     @classmethod
     def of(cls, compiled, lowered_text: str | None = None, num_devices: int = 1) -> "Cost":
@@ -70,19 +114,29 @@ class Cost:
         extra = 0.0
         if lowered_text is not None:  # global (unpartitioned) shapes: the matmuls split evenly over the devices
             extra = sum((p - 1) * f for p, f in dot_flops_by_passes(lowered_text).items()) / num_devices
-        loops = program_loops(compiled.as_text())
-        return cls(float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0)), extra, loops)
+        text = compiled.as_text()
+        ops = collectives(text, num_devices)
+        return cls(float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0)), extra, program_loops(text),
+                   float(sum(c.sent_bytes for c in ops)), float(sum(c.steps for c in ops)))
 
-    def minus(self, other: "Cost", scale: float = 1.0) -> "Cost":
-        """scale x (self - other): what one program runs and the other does not (a loop body); `loops` stays this
-        program's (the loops the body accounts for)."""
-        return Cost(scale * (self.flops - other.flops), scale * (self.bytes - other.bytes),
-                    scale * (self.extra_pass_flops - other.extra_pass_flops), self.loops)
+    @staticmethod
+    def linear(terms: Sequence[tuple[float, "Cost"]]) -> "Cost":
+        """sum(coefficient x cost), e.g. a loop body as scale x (P - P'), two programs that differ only by the
+        body's size. `loops` is the first program's (for a loop body: the loops it accounts for)."""
+        fields = ("flops", "bytes", "extra_pass_flops", "ici_bytes", "ici_steps")
+        sums = {f: sum(coef * getattr(cost, f) for coef, cost in terms) for f in fields}
+        return Cost(loops=terms[0][1].loops, **sums)
 
     def seconds(self, peak: ChipPeak, devices_per_chip: int = 1) -> tuple[float, float]:
         """(compute-bound, HBM-bound) seconds on one device."""
         return (devices_per_chip * (self.flops + self.extra_pass_flops) / peak.flops,
                 devices_per_chip * self.bytes / peak.hbm_bytes_per_s)
+
+    def ici_seconds(self, peak: ChipPeak, devices_per_chip: int = 1) -> float:
+        """Seconds of its collectives on the chip's ICI (its devices share the chip's links); 0 without an ICI."""
+        if peak.ici is None:
+            return 0.0
+        return devices_per_chip * self.ici_bytes / peak.ici.ring_bytes_per_s + self.ici_steps * peak.ici.hop_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +203,7 @@ class Part:
     cost: Cost | None  # None: the compiler refused it
     compile_s: float = 0.0
     error: str | None = None
-    derived: bool = False  # a loop body (`Cost.minus` of two programs); its `loops` are those it accounts for
+    derived: bool = False  # a loop body (`Cost.linear` of two programs); its `loops` are those it accounts for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,21 +219,32 @@ class StageCost:
         return sum(p.count * getattr(p.cost, field) for p in self.parts if p.cost is not None)
 
     def seconds(self, peak: ChipPeak, devices_per_chip: int = 1) -> tuple[float, float, float]:
-        """(compute-bound s, HBM-bound s, roofline s): each part at the max of its two bounds, times its count."""
+        """(compute-bound s, HBM-bound s, predicted s): each part at the max of its two bounds plus its collectives
+        (not overlapped), times its count."""
         compute = memory = time = 0.0
         for p in self.parts:
             if p.cost is not None:
                 c, m = p.cost.seconds(peak, devices_per_chip)
-                compute, memory, time = compute + p.count * c, memory + p.count * m, time + p.count * max(c, m)
+                ici = p.cost.ici_seconds(peak, devices_per_chip)
+                compute, memory, time = compute + p.count * c, memory + p.count * m, time + p.count * (max(c, m) + ici)
         return compute, memory, time
 
+    def ici_seconds(self, peak: ChipPeak, devices_per_chip: int = 1) -> float:
+        return sum(p.count * p.cost.ici_seconds(peak, devices_per_chip) for p in self.parts if p.cost is not None)
+
+    def overlapped_seconds(self, peak: ChipPeak, devices_per_chip: int = 1) -> float:
+        """The stage with each part's collectives hidden under its compute/HBM time: max of the three, per part."""
+        return sum(p.count * max(*p.cost.seconds(peak, devices_per_chip), p.cost.ici_seconds(peak, devices_per_chip))
+                   for p in self.parts if p.cost is not None)
+
     def bound(self, peak: ChipPeak, devices_per_chip: int = 1) -> str:
-        """What limits the stage: the bound of the parts that take most of its time."""
-        by = {"compute": 0.0, "HBM": 0.0}
+        """What limits the stage: compute, HBM or ICI, whichever takes most of its (not overlapped) time."""
+        by = {"compute": 0.0, "HBM": 0.0, "ICI": 0.0}
         for p in self.parts:
             if p.cost is not None:
                 c, m = p.cost.seconds(peak, devices_per_chip)
                 by["compute" if c >= m else "HBM"] += p.count * max(c, m)
+                by["ICI"] += p.count * p.cost.ici_seconds(peak, devices_per_chip)
         return max(by, key=by.get)
 
 
@@ -208,13 +273,23 @@ class Roofline:
     def chips(self) -> int:
         return max(1, self.num_devices // self.devices_per_chip)
 
-    def stage_seconds(self, name: str) -> float | None:
+    def stage_seconds(self, name: str, overlapped: bool = False) -> float | None:
+        """The stage's predicted time: collectives not overlapped, or (`overlapped`) hidden under compute/HBM."""
         stage = next((s for s in self.stages if s.name == name), None)
-        return None if stage is None or stage.error else stage.seconds(self.peak, self.devices_per_chip)[2]
+        if stage is None or stage.error:
+            return None
+        if overlapped:
+            return stage.overlapped_seconds(self.peak, self.devices_per_chip)
+        return stage.seconds(self.peak, self.devices_per_chip)[2]
 
     @property
     def step_s(self) -> float | None:
         times = [self.stage_seconds(s.name) for s in self.stages]
+        return None if any(t is None for t in times) else sum(times)
+
+    @property
+    def step_overlapped_s(self) -> float | None:
+        times = [self.stage_seconds(s.name, overlapped=True) for s in self.stages]
         return None if any(t is None for t in times) else sum(times)
 
     @property
@@ -236,30 +311,41 @@ class Roofline:
             compute, memory, time = s.seconds(self.peak, self.devices_per_chip)
             stages.append({"name": s.name, "flops": s.total("flops"), "bytes": s.total("bytes"),
                            "extra_pass_flops": s.total("extra_pass_flops"), "compute_s": compute, "hbm_s": memory,
-                           "time_s": None if s.error else time, "bound": s.bound(self.peak, self.devices_per_chip),
+                           "ici_bytes": s.total("ici_bytes"), "ici_s": s.ici_seconds(self.peak, self.devices_per_chip),
+                           "time_s": None if s.error else time,
+                           "time_overlapped_s": self.stage_seconds(s.name, overlapped=True),
+                           "bound": s.bound(self.peak, self.devices_per_chip),
                            "model_flops": self.model_flops.get(s.name), "error": s.error,
                            "parts": [{"name": p.name, "count": p.count, "compile_s": round(p.compile_s, 2),
                                       "error": p.error, **(dataclasses.asdict(p.cost) if p.cost else {})}
                                      for p in s.parts]})
         return {"chip": self.chip, "peak_flops_per_chip": self.peak.flops,
                 "hbm_bytes_per_s_per_chip": self.peak.hbm_bytes_per_s, "source": self.peak.source,
+                "ici": None if self.peak.ici is None else dataclasses.asdict(self.peak.ici),
                 "chips": self.chips, "devices_per_chip": self.devices_per_chip, "per_device": True,
-                "stages": stages, "step_s": self.step_s, "rollout_tokens": self.rollout_tokens,
+                "stages": stages, "step_s": self.step_s, "step_overlapped_s": self.step_overlapped_s,
+                "rollout_tokens": self.rollout_tokens,
                 "rollout_tokens_per_s_per_chip": self.rollout_tokens_per_s_per_chip, "mfu": self.mfu,
                 "compile_s": round(self.compile_s, 2), "notes": self.notes}
 
     def table(self) -> str:
         p = self.peak
+        ici = "" if p.ici is None else (f", ICI {p.ici.bytes_per_s / 1e9:.0f} GB/s over {p.ici.ports} ports, "
+                                        f"{p.ici.hop_s * 1e6:g} us per ring step")
         lines = [f"roofline on {self.chips} x {self.chip} ({p.flops / 1e12:.0f} TFLOP/s bf16, "
-                 f"{p.hbm_bytes_per_s / 1e9:.0f} GB/s HBM per chip; {p.source}), per device:"]
-        head = ("stage", "programs", "GFLOP", "+passes", "GB", "compute s", "HBM s", "=time s", "bound")
+                 f"{p.hbm_bytes_per_s / 1e9:.0f} GB/s HBM per chip{ici}; {p.source}), per device:"]
+        head = ("stage", "programs", "GFLOP", "+passes", "GB", "ICI GB", "compute s", "HBM s", "ICI s", "=time s",
+                "overlapped s", "bound")
         rows = [head]
+        dpc = self.devices_per_chip
         for s in self.stages:
-            compute, memory, time = s.seconds(self.peak, self.devices_per_chip)
+            compute, memory, time = s.seconds(self.peak, dpc)
             programs = " + ".join(f"{q.name} x{q.count}" for q in s.parts)
             rows.append((s.name, programs, _num(s.total("flops") / 1e9), _num(s.total("extra_pass_flops") / 1e9),
-                         _num(s.total("bytes") / 1e9), _num(compute), _num(memory), "-" if s.error else _num(time),
-                         "-" if s.error else s.bound(self.peak, self.devices_per_chip)))
+                         _num(s.total("bytes") / 1e9), _num(s.total("ici_bytes") / 1e9), _num(compute),
+                         _num(memory), _num(s.ici_seconds(self.peak, dpc)), "-" if s.error else _num(time),
+                         "-" if s.error else _num(s.overlapped_seconds(self.peak, dpc)),
+                         "-" if s.error else s.bound(self.peak, dpc)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
@@ -271,7 +357,10 @@ class Roofline:
 
     def summary(self) -> str:
         mfu, tok_s = self.mfu, self.rollout_tokens_per_s_per_chip
-        return (f"predicted step {'-' if self.step_s is None else _num(self.step_s)} s (the stages in sequence); "
+        overlapped = self.step_overlapped_s
+        return (f"predicted step {'-' if self.step_s is None else _num(self.step_s)} s (the stages in sequence, "
+                f"collectives not overlapped; {'-' if overlapped is None else _num(overlapped)} s with each hidden "
+                f"under its program's compute/HBM time); "
                 f"rollout {'-' if tok_s is None else f'{tok_s:.0f}'} tok/s per chip ({self.rollout_tokens} tokens: "
                 f"every row to max_new_tokens); MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} (model FLOPs: 2 x "
                 f"params x tokens for rollout and scoring, 6 x for the update, plus the attention's causal pairs)")

@@ -4,7 +4,9 @@ their HBM per device, and the chip whose peaks the roofline uses."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +33,8 @@ def topology_devices(name: str) -> list:
     if importlib.util.find_spec("libtpu") is None:
         raise ValueError(f"--topology {name}: needs libtpu (pip install 'jopd[tpu]', i.e. jax[tpu]); "
                          f"without --topology the stages compile for the local devices")
-    # Compiling needs no chip: do not wait for the lock of another process that holds libtpu.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    for key, value in compile_only_env(name).items():  # before libtpu initializes (in get_topology_desc)
+        os.environ.setdefault(key, value)
     from jax.experimental import topologies
 
     try:
@@ -42,6 +44,21 @@ def topology_devices(name: str) -> list:
         raise ValueError(f"--topology {name}: not a TPU topology libtpu knows ({first}); "
                          f"examples: v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:2x2") from None
     return list(topo.devices)
+
+
+def compile_only_env(name: str) -> dict[str, str]:
+    """What libtpu asks the host's metadata server for when it initializes, for a compile-only run of topology
+    `name` (e.g. "v5e:2x2"): on a machine without one (a CPU host) libtpu otherwise prints warnings and an
+    `E0000 ... unexpected worker hostname` line that read like a failure. Set only where unset (a TPU VM's own
+    values win); neither value changes the compiled programs (the topology does). Also: do not wait for the lock
+    of another process that holds libtpu (compiling needs no chip)."""
+    chip, _, grid = name.partition(":")
+    chips = math.prod(int(d) for d in grid.split("x")) if re.fullmatch(r"\d+(x\d+)*", grid) else 1
+    # Cloud TPU's accelerator types: v5e counts chips (v5litepod-16), v4 and v5p TensorCores (v5p-16: 8 chips)
+    accelerator = {"v5e": f"v5litepod-{chips}", "v4": f"v4-{2 * chips}", "v5p": f"v5p-{2 * chips}"}.get(
+        chip, f"{chip}-{chips}")
+    return {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_ACCELERATOR_TYPE": accelerator,
+            "TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "1"}
 
 
 def devices_per_chip(devices: Sequence[Any]) -> int:

@@ -4,6 +4,9 @@ devices), the real architectures' configs, and, when libtpu is installed, a real
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -318,7 +321,7 @@ def test_roofline_arithmetic_by_hand():
     assert d["step_s"] == r.step_s and [s["bound"] for s in d["stages"]] == ["HBM", "compute"]
     assert d["stages"][0]["parts"][1] | {} == {"name": "decode", "count": 100, "compile_s": 0.0, "error": None,
                                               "flops": 0.001 * f, "bytes": 0.01 * b, "extra_pass_flops": 0.0,
-                                              "loops": 0}
+                                              "loops": 0, "ici_bytes": 0.0, "ici_steps": 0.0}
     table = r.table()
     assert "prefill x1 + decode x100" in table and "predicted step 2.7 s" in table and "MFU" in table
     # two devices per chip: each device has half the chip's peaks
@@ -371,6 +374,28 @@ def test_cost_programs_count_every_layer_chunk_and_token(costed):
     assert looped["train_step"].flops < 0.5 * update.total("flops")
     assert report.roofline.step_s > 0 and 0 < report.roofline.mfu < 1
     assert not any("while loop" in n for n in report.roofline.notes)  # every loop accounted for
+
+
+@pytest.mark.slow
+def test_the_prefill_part_is_the_prefill_program(costed):
+    """The rollout's prefill part is the memory pass's sampler program minus one decode step (not compiled again):
+    the same FLOPs, MXU passes and loops as the prefill program compiled on its own."""
+    from jopd import parallel as meshlib
+    from jopd.opd.step import build_step
+    from jopd.sizing import cost as costmod
+    from jopd.sizing.roofline import Cost
+
+    cfg, report = costed
+    s, t = arch.model_config_of(cfg.student, "student"), arch.model_config_of(cfg.teacher, "teacher")
+    step = build_step(cfg, s, (t,), meshlib.make_mesh(cfg.mesh))
+    ins = stages.step_inputs(step)
+    with jax.set_mesh(step.mesh):
+        lowered = costmod._rollout_programs(step, ins)["prefill"][1]()
+        own = Cost.of(lowered.compile(), lowered.as_text(), 8)
+    prefill = next(p for p in report.roofline.stages[1].parts if p.name == "prefill")
+    assert prefill.cost.flops == pytest.approx(own.flops, rel=1e-4) and prefill.cost.loops == own.loops
+    assert own.extra_pass_flops > 0 and prefill.cost.extra_pass_flops == pytest.approx(own.extra_pass_flops, rel=1e-6)
+    assert prefill.cost.bytes == pytest.approx(own.bytes, rel=0.05)
 
 
 @pytest.mark.slow
@@ -427,8 +452,16 @@ def test_cli_prints_the_roofline_for_a_topology(tmp_path, capsys):
     assert "MFU" in text and "cost programs compiled in" in text
     report = json.loads(out.read_text())
     assert report["roofline"]["chip"] == "v5e" and report["roofline"]["step_s"] > 0
-    assert main(["aot", str(cfg), *TINY, "--topology", "v5e:2x2", "--stages", "weight_sync", "--no-cost"]) == 0
-    assert "roofline" not in capsys.readouterr().out
+    # a fresh process (libtpu initializes there) without what this one set (`topology.compile_only_env`): the
+    # report is all it prints, none of libtpu's warnings about the host's TPU metadata
+    env = {k: v for k, v in os.environ.items() if k not in topology.compile_only_env("v5e:2x2")}
+    run = subprocess.run([sys.executable, "-m", "jopd.cli", "aot", str(cfg), *TINY, "--topology", "v5e:2x2",
+                          "--stages", "weight_sync", "--no-cost"], capture_output=True, text=True, cwd=ROOT,
+                         env=env | {"PYTHONPATH": str(ROOT)}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "per-device memory" in run.stdout and "roofline" not in run.stdout
+    assert not [ln for ln in (run.stdout + run.stderr).splitlines()
+                if ln.startswith("E0000") or "WARNING: could not determine" in ln or "InitGoogle" in ln]
 
 
 # ---- a teacher with another tokenizer ----
