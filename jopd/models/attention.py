@@ -19,7 +19,8 @@ picks it. "xla" is plain einsum + softmax over the dense mask.
 `CPU_CHUNKED_FROM_T` tokens (the CPU testbed keeps today's numerics bit for bit) and "chunked" from there on, where
 it is also faster on CPU (benchmarks/long_context.py). The decode call stays "xla" below `CPU_CHUNKED_FROM_S` cache
 slots and "chunked" (tiles past every row's slot skipped) from there on. The platform is read at lowering
-(`lax.platform_dependent`), not from the host, so `jopd aot --topology v5e:...` on a CPU host compiles what a TPU would run.
+(`lax.platform_dependent`), not from the host, so `jopd aot --topology v5e:...` on a CPU host compiles what a TPU
+would run.
 """
 
 from __future__ import annotations
