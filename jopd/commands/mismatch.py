@@ -1,6 +1,6 @@
 """Measure a rollout engine's mismatch with the trainer, without training: exact KL per response token, with CIs.
 
-    jopd mismatch CONFIG [key=value ...] [--checkpoint DIR] [--step N] [--batches 4] [--json OUT]
+    jopd mismatch CONFIG [key=value ...] [--checkpoint DIR] [--step N] [--staleness K] [--batches 4] [--json OUT]
 
 (overrides follow the config directly, before the options; e.g. rollout_precision.logit_noise=0.5)
 
@@ -12,6 +12,13 @@ sample size, each with a 95% bootstrap CI over prompts, and the wall time; for a
 the routing flips (the share of router decisions and of tokens whose experts differ between the sampler and the
 trainer), with `train.routing_replay=true` against the trainer's replayed forward. The prompts and the sampler's
 random draws depend only on data.seed and train.seed, so two engines measured alike see the same prompts.
+
+--staleness K (with --checkpoint): the offline measure of bounded staleness (`rollout.staleness`). The rollouts
+are sampled by the engine with the student of checkpoint step N - K and compared with the trainer at step N (N:
+--step, default the latest); both steps must be saved (`checkpoint.every`, `checkpoint.keep`). The exact KL is
+reported as before and split per token as the train step logs it: engine = KL(q || r), staleness = KL(r || p),
+cross = sum (q - r)(log r - log p), with q the engine at N - K, r the trainer's numerics at N - K, p the trainer at
+N; the parts add up to the total up to rounding. K = 0 is the plain report (bit for bit), its staleness part 0.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="a `jopd train` checkpoint directory (RUN_DIR/checkpoints) or RUN_DIR to take the student from")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--staleness", type=int, default=None, metavar="K",
+                   help="sample with the student of checkpoint step N-K (N: --step), compare with the trainer at "
+                        "step N, and split the KL into its engine and staleness parts; needs --checkpoint, and both "
+                        "steps kept (checkpoint.every, checkpoint.keep)")
     p.add_argument("--batches", type=int, default=4, help="batches of data.batch_size prompts to sample")
     p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples for the CIs")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
@@ -42,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batches: must be >= 1, got {args.batches}")
     cfg = load_config(args.config, [*args.overrides, "train.mismatch=exact"])
     report, at = measure_config(cfg, args.checkpoint, args.step, args.batches, args.resamples,
-                                log=lambda m: print(m, file=sys.stderr))
+                                log=lambda m: print(m, file=sys.stderr), staleness=args.staleness)
     where = f"{args.checkpoint} step {at}" if args.checkpoint else "the config's starting student"
+    if report.split is not None:
+        where += f", rollouts sampled at step {report.split.sampler_step} (staleness {report.split.staleness})"
     replay = ", routing replay" if cfg.train.routing_replay else ""
     print(f"rollout engine {cfg.rollout_precision} vs trainer ({cfg.student.dtype}{replay}); student: {where}")
     print(report.table())

@@ -72,6 +72,23 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
+def saved_steps(ckpt_dir: str | Path) -> list[int]:
+    """The steps saved in an Orbax checkpoint directory of `jopd train`, sorted (an error if none)."""
+    from jopd.run.checkpoint import Checkpointer
+    from jopd.run.config import RunConfig
+
+    if not Path(ckpt_dir).is_dir():
+        raise FileNotFoundError(f"{ckpt_dir}: no checkpoint directory")
+    ckpt = Checkpointer(dataclasses.replace(RunConfig().checkpoint, dir=str(ckpt_dir), async_save=False))
+    try:
+        steps = sorted(int(s) for s in ckpt.all_steps())
+    finally:
+        ckpt.close()
+    if not steps:
+        raise FileNotFoundError(f"{ckpt_dir}: holds no checkpoint")
+    return steps
+
+
 def restore_state(ckpt_dir: str | Path, abstract_state: Any, step: int | None = None) -> tuple[Any, int]:
     """(train state, its step) from an Orbax checkpoint directory of `jopd train` (default: the latest step)."""
     from jopd.run.checkpoint import Checkpointer
