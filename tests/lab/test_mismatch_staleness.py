@@ -115,7 +115,8 @@ def test_stale_split_matches_numpy_from_the_two_checkpoints(stale_run):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--step", "3", "--staleness", "5"], r"--staleness 5: step 3 - 5 = -2 is not saved in .* \(saved steps: \[1, 2, 3\];"),
+    (["--step", "3", "--staleness", "5"],
+     r"--staleness 5: step 3 - 5 = -2 is not saved in .* \(saved steps: \[1, 2, 3\]; both steps must be kept"),
     (["--staleness", "-1"], r"--staleness -1: must be >= 0"),
     (["--staleness", "1", "--no-checkpoint"], r"--staleness 1: needs --checkpoint"),
 ])
