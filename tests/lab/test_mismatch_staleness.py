@@ -82,7 +82,7 @@ def test_stale_split_matches_numpy_from_the_two_checkpoints(stale_run):
     assert at == 3 and (rep.split.sampler_step, rep.split.trainer_step) == (1, 3)
 
     # independently: both param trees from the checkpoints, batch 0 sampled with step 1's, KL in numpy
-    run, init = build(cfg, **QUIET)
+    run, _ = build(cfg, **QUIET)
     opd = run.step
     with Checkpointer(CheckpointConfig(dir=str(stale_run / "checkpoints"), async_save=False)) as ckpt:
         old, new = (ckpt.restore(s, opd.abstract_state()).state for s in (1, 3))
@@ -111,7 +111,6 @@ def test_stale_split_matches_numpy_from_the_two_checkpoints(stale_run):
                                atol=2e-3 * ref["total"])
     parts = rep.split.engine_kl.mean + rep.split.staleness_kl.mean + rep.split.cross.mean
     np.testing.assert_allclose(parts, rep.exact_kl.mean, rtol=1e-4)  # the parts add up, to rounding
-    del init
 
 
 @pytest.mark.parametrize("extra, message", [
