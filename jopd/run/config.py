@@ -21,7 +21,7 @@ from jopd.config_dataclass import ConfigError, build, config_dataclass, read_yam
 from jopd.data.pipeline import DataConfig
 from jopd.losses import LossConfig, RLConfig
 from jopd.models.attention import check_attention_name
-from jopd.models.families import FamilyName
+from jopd.models.families import FAMILIES, FamilyName
 from jopd.parallel.mesh import MeshConfig
 from jopd.opd.optim import OptimConfig
 from jopd.opd.staleness import RolloutConfig
@@ -43,6 +43,33 @@ class ArchConfig:
     head_dim: int = pydantic.Field(32, ge=2)
     tie_word_embeddings: bool = True
     max_position_embeddings: int = pydantic.Field(256, ge=8)
+    # A mixture-of-experts testbed model (family qwen3_moe): every layer sparse, E experts of width
+    # moe_intermediate_size, top-k routing. 0 experts: dense (the default; not part of the SFT cache key then).
+    num_experts: int = pydantic.Field(0, ge=0)
+    num_experts_per_tok: int = pydantic.Field(0, ge=0)
+    moe_intermediate_size: int = pydantic.Field(0, ge=0)
+    norm_topk_prob: bool = True
+
+    def __post_init__(self):
+        # one line naming the field (build() prefixes student.arch / teacher.arch)
+        if self.num_experts == 0:
+            if self.num_experts_per_tok or self.moe_intermediate_size:
+                raise ValueError("num_experts_per_tok / moe_intermediate_size: set num_experts > 0 for a MoE model")
+            return
+        if not FAMILIES[self.family].moe:
+            raise ValueError(f"num_experts={self.num_experts}: family {self.family!r} has no experts (use qwen3_moe)")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok}: must be in [1, num_experts="
+                             f"{self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            raise ValueError("moe_intermediate_size: must be >= 1 for a MoE model")
+
+    def experts(self) -> dict:
+        """The expert fields a ModelConfig takes (none for a dense model: its SFT cache key stays as before)."""
+        if not self.num_experts:
+            return {}
+        return {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob}
 
 
 @config_dataclass

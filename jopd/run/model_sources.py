@@ -95,7 +95,7 @@ def testbed_model_config(src: ModelSource, tokenizer) -> ModelConfig:
         family=a.family, vocab_size=len(tokenizer), hidden_size=a.hidden_size,
         intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
         num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tie_word_embeddings=a.tie_word_embeddings,
-        **FAMILIES[a.family].switches(),
+        **FAMILIES[a.family].switches(), **a.experts(),
         max_position_embeddings=a.max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 

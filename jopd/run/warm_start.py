@@ -68,6 +68,10 @@ def _checkpoint_fingerprint(path: str) -> dict[str, Any]:
     return {"path": str(root), "files": [[str(p.relative_to(root.parent)), p.stat().st_size] for p in files]}
 
 
+# ArchConfig's MoE fields: in the key only for a MoE model, so a dense model's cache entry is the one it had before
+_EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+
+
 def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str:
     fields = {
         "v": _FORMAT_VERSION, "role": role, "warm": dataclasses.asdict(src.resolved_warm_start()),
@@ -77,7 +81,8 @@ def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str
         "template": tokenizer.chat_template,
     }
     if src.path is None:
-        fields["arch"] = dataclasses.asdict(src.arch)
+        arch = dataclasses.asdict(src.arch)
+        fields["arch"] = {k: v for k, v in arch.items() if k not in _EXPERT_FIELDS or src.arch.num_experts}
     else:
         fields.update(start=_checkpoint_fingerprint(src.path), num_layers=src.num_layers)
     blob = json.dumps(fields, sort_keys=True, default=str)
