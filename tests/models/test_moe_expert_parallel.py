@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers
@@ -211,3 +212,48 @@ def test_expert_settings_are_refused_in_one_line():
             h = jnp.zeros((3, 1, 16))
             moe.expert_parallel_swiglu(h, jnp.zeros((3, 1, 2), jnp.int32), jnp.zeros((3, 1, 2)),
                                        *(jnp.zeros((8, 16, 12)),) * 2, jnp.zeros((8, 12, 16)), dtype=jnp.float32)
+
+
+@pytest.mark.slow  # two production steps compiled (sampler, scoring, update), one on 8 devices: ~20 s
+def test_opd_step_with_expert_parallelism_equals_one_device():
+    """The production step (`build_step`: rollout, teacher scoring, update with routing replay and the router's
+    loss) with a mixture-of-experts student and teacher on a (data 2, expert 4) mesh against one device: the same
+    sampled tokens and recorded experts, the same loss, metrics and updated parameters; the student's experts and
+    their Adam moments 2 of 8 per device, the batch over data x expert."""
+    from jopd.opd.step import build_step
+    from jopd.run.config import load_config
+
+    Bs = 8
+    params, teacher = numpy_params(CFG, seed=0, std=0.5), numpy_params(CFG, seed=7, std=0.5)  # a teacher apart
+    rng = np.random.default_rng(2)
+    prompts = {"prompt_tokens": rng.integers(1, CFG.vocab_size, (Bs, P_)).astype(np.int32),
+               "prompt_mask": np.ones((Bs, P_), np.int32)}
+    results = {}
+    for name, sizes, devices in (("one", ["mesh.data=1"], jax.devices()[:1]),
+                                 ("ep", ["mesh.data=2", "mesh.expert=4"], jax.devices())):
+        cfg = load_config(None, [f"data.batch_size={Bs}", f"data.max_prompt_len={P_}", f"sampling.max_new_tokens={N}",
+                                 "loss.kind=topk_rkl", "loss.top_k=8", "train.routing_replay=true",
+                                 "loss.router_aux_coef=0.05", "optim.learning_rate=1e-2", "optim.warmup_steps=0",
+                                 *sizes])
+        step = build_step(cfg, CFG, (CFG,), meshlib.make_mesh(cfg.mesh, devices))
+        with jax.set_mesh(step.mesh):
+            rollout = step.rollout(step.init_state(params), prompts, 0)
+            scored = step.score((teacher,), rollout)
+            state, metrics = step.update(step.init_state(params), scored)
+        results[name] = (step, jax.device_get(rollout.sample), jax.device_get(metrics), state)
+    (_, s1, m1, st1), (step8, s8, m8, st8) = results["one"], results["ep"]
+    np.testing.assert_array_equal(s8.tokens_BxN, s1.tokens_BxN)
+    np.testing.assert_array_equal(s8.expert_ids_BxSxLsxk, s1.expert_ids_BxSxLsxk)
+    assert float(m1["router_aux_loss"]) > 1.0 and float(m1["loss"]) > 0
+    for k in ("loss", "router_aux_loss", "mismatch_kl", "num_tokens", "mismatch_router_flip_frac"):
+        np.testing.assert_allclose(float(m8[k]), float(m1[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    p1, p8 = jax.device_get(st1.params), jax.device_get(st8.params)
+    moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), p1, params)
+    assert max(jax.tree.leaves(moved)) > 1e-3  # the update moved the params
+    # Adam's first step is lr * g / (|g| + eps): compared as a tree norm (a rounding-level change of a near-zero
+    # gradient entry can move its step by a part of lr)
+    assert optax.tree.norm(jax.tree.map(np.subtract, p8, p1)) <= 1e-4 * optax.tree.norm(jax.tree.map(np.subtract,
+                                                                                                     p1, params))
+    assert step8.shardings.batch.spec == P(("data", "fsdp", "expert"))
+    for leaf in (st8.params["layers"]["expert_down"], st8.opt_state[1][0].mu["layers"]["expert_down"]):
+        assert {s.data.shape[1] for s in leaf.addressable_shards} == {CFG.num_experts // 4}
