@@ -40,18 +40,16 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
 
 
-def _batch(params, replay: bool):
-    """Prompt + response rows (left-padded prompts, responses of several lengths), with the trainer's own routing
-    recorded and, in a few tokens, another choice (so a replayed forward differs from the free one)."""
+def _batch(replay: bool):
+    """Prompt + response rows (left-padded prompts, responses of several lengths) with recorded routing: k
+    distinct random experts per real token and sparse layer (a replayed forward runs them)."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, CFG.vocab_size, (B, P_ + N)).astype(np.int32)
     lengths = rng.integers(1, N + 1, B)
     prompt_mask = np.arange(P_)[None] >= rng.integers(0, 3, (B, 1))
     mask = np.concatenate([prompt_mask, np.arange(N)[None] < lengths[:, None]], 1)
-    _, _, own = jax.jit(lambda t, m: T.forward(params, t, cfg=CFG, attn_mask_BxT=m, return_routing=True))(tokens, mask)
-    ids = np.moveaxis(np.asarray(own), 0, 2).copy()  # [B, S, Ls, k]
-    flip = rng.random(ids.shape[:3]) < 0.3
-    ids[flip] = (ids[flip] + 3) % CFG.num_experts  # still k distinct experts
+    Ls, k = len(CFG.sparse_layers), CFG.num_experts_per_tok
+    ids = np.argsort(rng.random((B, P_ + N, Ls, CFG.num_experts)), -1)[..., :k]  # [B, S, Ls, k]
     ids = np.where(mask[:, :, None, None], ids, -1).astype(np.int16)
     targets = tokens[:, P_:]
     loss = LossBatch(targets_BxT=targets, response_mask_BxT=mask[:, P_:])
@@ -74,7 +72,7 @@ def test_expert_parallel_update_equals_one_device_and_splits_the_experts():
     equal one device's; every expert leaf and its gradient hold 2 of the 8 experts per device, and the compiled
     program never all-gathers a whole expert leaf (the tokens travel, not the weights)."""
     params = numpy_params(CFG, seed=1, std=0.5)
-    batch = _batch(params, replay=True)
+    batch = _batch(replay=True)
     loss_cfg = LossConfig(kind="sft", chunk_size=4, router_aux_coef=0.1)
     grad_fn = jax.value_and_grad(rollout_loss_fn(CFG, loss_cfg), has_aux=True)
     (loss1, metrics1), grads1 = jax.jit(grad_fn)(params, batch)
@@ -147,12 +145,19 @@ def test_expert_parallel_forward_equals_one_device_with_rows_the_expert_axis_can
 def test_load_balancing_loss_matches_transformers_per_layer():
     """Each sparse layer's `router_aux_mask_BxT` value from the forward against transformers'
     `load_balancing_loss_func` on that layer's router logits (transformers' own forward, `output_router_logits`)
-    with the same token mask; and through the update's metric, their mean over the layers."""
-    model = make_hf_model("qwen3_moe", seed=2)
+    with the same token mask (the checkpoint also loads into an expert split, bit for bit); and one layer's value
+    against numpy."""
     import tempfile
+
+    model = make_hf_model("qwen3_moe", seed=2)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         cfg, params = io.load_params(tmp)
+        # a checkpoint loads straight into the expert split (each device reading its own experts' tensors)
+        sh = meshlib.param_shardings(cfg, _mesh(data=2, expert=4), meshlib.rules_for("train"))
+        _, split = io.load_params(tmp, shardings=sh)
+    assert split["layers"]["expert_up"].sharding == sh["layers"]["expert_up"]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), split, params)
     toks, mask = right_padded_batch(cfg.vocab_size)
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(toks), attention_mask=torch.as_tensor(mask.astype(np.int64)),
@@ -180,7 +185,7 @@ def test_load_balancing_loss_matches_transformers_per_layer():
 def test_router_aux_coef_zero_computes_nothing_and_adds_to_the_loss():
     """coef 0: no metric, the loss and gradient bit for bit the same program's; coef c: loss + c * aux."""
     params = numpy_params(CFG, seed=1, std=0.5)
-    batch = _batch(params, replay=False)
+    batch = _batch(replay=False)
     run = lambda c: jax.jit(rollout_loss_fn(CFG, LossConfig(kind="sft", chunk_size=4, router_aux_coef=c)))  # noqa
     loss0, m0 = run(0.0)(params, batch)
     loss1, m1 = run(0.5)(params, batch)
