@@ -72,6 +72,10 @@ class LossConfig:
     # Denominator = rows x response slots (a constant per batch shape) instead of the count of loss tokens
     # (Dr. GRPO: a sequence's weight no longer depends on its own or its batch-mates' lengths).
     token_sum_norm: bool = False
+    # A mixture-of-experts student: + router_aux_coef * its routers' load-balancing loss (Switch / Qwen3-MoE:
+    # E * sum_e f_e * P_e, averaged over the sparse layers, over the tokens whose hidden states the loss reads;
+    # `moe.load_balancing_loss`), logged as `router_aux_loss`. 0: off (not computed).
+    router_aux_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0
 
     @property
     def support_size(self) -> int:

@@ -12,7 +12,7 @@ import jax
 
 # The mesh axes that split the batch (`transformer.BATCH_MESH_AXES`, which the attention modules cannot import:
 # transformer imports the seam) and the one that splits heads (`jopd.parallel.mesh`; models sit below parallel).
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 HEAD_AXIS = "tensor"
 
 Specs = Callable[[tuple[str, ...] | None, str | None], tuple[tuple, object]]

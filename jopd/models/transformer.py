@@ -55,7 +55,7 @@ def _layer_shapes(cfg: ModelConfig, sparse: bool, L: int | None) -> dict[str, An
         "mlp_norm": ((D,), ("embed",)),
     }
     if sparse:  # the routed experts (`moe.sparse_mlp`) in place of the dense SwiGLU
-        shapes["router"] = ((D, E), ("embed", "experts"))
+        shapes["router"] = ((D, E), ("embed", "router_experts"))  # whole on every expert shard: it routes all E
         shapes["expert_gate"] = ((E, D, I), ("experts", "embed", "mlp"))
         shapes["expert_up"] = ((E, D, I), ("experts", "embed", "mlp"))
         shapes["expert_down"] = ((E, I, D), ("experts", "mlp", "embed"))
@@ -170,12 +170,12 @@ def apply_rope(x_BxTxNxDh: jax.Array, positions_BxT: Int[Array, "B T"], inv_freq
     return x_BxTxNxDh * cos + rotated * sin
 
 
-BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes that split the batch (jopd.parallel.rules' `batch` rule)
+BATCH_MESH_AXES = ("data", "fsdp", "expert")  # mesh axes that split the batch (`jopd.parallel.rules`' batch rule)
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
-    """Pin an activation's leading (batch) dim to the data x fsdp mesh axes, other dims left to XLA, when traced
-    under a mesh context (`with jax.set_mesh(mesh)`); a no-op without one. Without it GSPMD may resolve the
+    """Pin an activation's leading (batch) dim to the data x fsdp (x expert) mesh axes, other dims left to XLA, when
+    traced under a mesh context (`with jax.set_mesh(mesh)`); a no-op without one. Without it GSPMD may resolve the
     conflict between a batch-split activation and an fsdp-split weight by gathering the batch, not the weight."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names) if not mesh.empty else ()
@@ -186,12 +186,12 @@ def constrain_batch(x: jax.Array) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cache, v_cache, write_index,
-           attend, dtype, replay_BxTxk=None):
+           attend, dtype, replay_BxTxk=None, aux_mask_BxT=None):
     """One block. With a cache (this layer's [B,K,S,Dh] buffers), the new K/V are written at slot `write_index`
     (a scalar, or one slot per row: [B]) and attention reads the whole buffer. `attend(q, k, v)` is the attention
     seam's call for this forward (`jopd.models.attention`: causal, or against the cache). Returns (x, k_cache,
-    v_cache, each token's expert ids [B,T,k] for a sparse layer, else None). `replay_BxTxk`: a sparse layer's
-    replayed expert ids (`moe.sparse_mlp`)."""
+    v_cache, each token's expert ids [B,T,k] for a sparse layer, else None, its router's load-balancing loss over
+    `aux_mask_BxT` when given, else None). `replay_BxTxk`: a sparse layer's replayed expert ids (`moe.sparse_mlp`)."""
 
     def _write_cache(cache_BxKxSxDh, new_BxKxTxDh):
         new = new_BxKxTxDh.astype(cache_BxKxSxDh.dtype)
@@ -224,13 +224,16 @@ def _layer(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, inv_freq, k_cac
     attn = attend(q, k_all, v_all)
     x = x_BxTxD + mm("bthe,hed->btd", attn, "o")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    aux = None
     if "router" in lp:  # a sparse layer (`ModelConfig.is_sparse`): the routed experts
         mlp_out, expert_ids = moe.sparse_mlp(cfg, lp, h, dtype, replay_BxTxk)
+        if aux_mask_BxT is not None:
+            aux = moe.router_balance(cfg, lp, h, dtype, aux_mask_BxT)
     else:
         gate = mm("btd,df->btf", h, "gate")
         up = mm("btd,df->btf", h, "up")
         mlp_out, expert_ids = mm("btf,fd->btd", jax.nn.silu(gate) * up, "down"), None
-    return x + mlp_out, k_cache, v_cache, expert_ids
+    return x + mlp_out, k_cache, v_cache, expert_ids, aux
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -296,7 +299,8 @@ def forward(
     attention: str | None = None,
     return_routing: bool = False,
     replay_experts_LsxBxTxk: Int[Array, "Ls B T k"] | None = None,
-) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, Int[Array, "Ls B T k"] | None]:
+    router_aux_mask_BxT: Bool[Array, "B T"] | None = None,
+) -> tuple[jax.Array, ...]:
     """Returns (logits_BxTxV or final hidden_BxTxD, updated cache or None), and with `return_routing` a third
     element: each token's expert ids in every sparse layer, [Ls, B, T, k] int32 (sparse layers in depth order,
     each token's k ids in descending router probability; None for a model without sparse layers).
@@ -318,6 +322,8 @@ def forward(
     `replay_experts_LsxBxTxk` (routing replay, the layout `return_routing` returns): every sparse layer runs these
     experts where they are >= 0 (-1: its router's own choice), weighted by its router's probabilities at them
     (`moe.sparse_mlp`); the routing returned is still each router's own top-k.
+    `router_aux_mask_BxT` (`loss.router_aux_coef`): one more last element, each sparse layer's router
+    load-balancing loss over these tokens ([Ls] fp32, `moe.router_balance`; None for a model without sparse layers).
     """
     B, T = tokens_BxT.shape
     if attn_mask_BxT is None:
@@ -340,9 +346,9 @@ def forward(
                          f"{len(cfg.sparse_layers)}")
 
     def layer_fn(lp, x, k_l, v_l, replay_l=None):
-        x, k_l, v_l, ids = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, attend, dtype,
-                                  replay_l)
-        return constrain_batch(x), k_l, v_l, (ids if return_routing else None)
+        x, k_l, v_l, ids, aux = _layer(cfg, lp, x, positions_BxT, inv_freq, k_l, v_l, cache_index, attend, dtype,
+                                       replay_l, router_aux_mask_BxT)
+        return constrain_batch(x), k_l, v_l, (ids if return_routing else None), aux
 
     if remat:  # prevent_cse=False is safe (and faster) inside scan (and harmless in the unrolled loop)
         layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
@@ -350,25 +356,28 @@ def forward(
         layers = unstack_layers(params)["layers"]
         ks = list(cache["k"]) if cache is not None else [None] * len(layers)
         vs = list(cache["v"]) if cache is not None else [None] * len(layers)
-        routed, sparse_i = [], 0
+        routed, balance, sparse_i = [], [], 0
         for i, lp in enumerate(layers):
             replay_l = None
             if replay is not None and "router" in lp:  # this sparse layer's replayed ids
                 replay_l, sparse_i = replay[sparse_i], sparse_i + 1
-            x, ks[i], vs[i], ids = layer_fn(lp, x, ks[i], vs[i], replay_l)
+            x, ks[i], vs[i], ids, aux = layer_fn(lp, x, ks[i], vs[i], replay_l)
             routed += [] if ids is None else [ids]
+            balance += [] if aux is None else [aux]
         experts = jnp.stack(routed) if routed else None
+        aux_Ls = jnp.stack(balance) if balance else None
         new_cache = None if cache is None else {"k": tuple(ks), "v": tuple(vs)}
     else:
         def scan_body(x, xs):
             lp, replay_l = xs  # replay: every layer of a stack is sparse, or none is (then it is None)
-            x, _, _, ids = layer_fn(lp, x, None, None, replay_l)
-            return x, ids
-        x, experts = jax.lax.scan(scan_body, x, (params["layers"], replay))
+            x, _, _, ids, aux = layer_fn(lp, x, None, None, replay_l)
+            return x, (ids, aux)
+        x, (experts, aux_Ls) = jax.lax.scan(scan_body, x, (params["layers"], replay))
         new_cache = None
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     out = hidden if return_hidden else logits_from_hidden(params, hidden, dtype=dtype, logits_dtype=logits_dtype)
-    return (out, new_cache, experts) if return_routing else (out, new_cache)
+    extra = ((experts,) if return_routing else ()) + ((aux_Ls,) if router_aux_mask_BxT is not None else ())
+    return (out, new_cache, *extra)
 
 
 def response_hidden(params: Params, cfg: ModelConfig, tokens_BxS: Int[Array, "B S"], attn_mask_BxS: Bool[Array, "B S"],

@@ -404,6 +404,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     cross = (None,) * len(cfg.teacher_sources()) if cross is None else cross
     validate.check_teacher_tuples(cfg, s_cfg, t_cfgs, cross)
     validate.check_routing_replay(cfg, s_cfg)
+    validate.check_experts(cfg, s_cfg, t_cfgs)
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)

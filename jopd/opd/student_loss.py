@@ -30,7 +30,12 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
     A batch with the sampler's routing (`TrainBatch.sampler_experts_BxSxLsxk`, a mixture-of-experts student) adds
     the routing-flip metrics (`routing_flip_metrics`), and its rows marked `replay_B` run the sampler's experts
     (`transformer.forward`'s `replay_experts_LsxBxTxk`; the others -1, their routers' own choice), so their loss,
-    its gradient and `mismatch_kl` are the replayed forward's."""
+    its gradient and `mismatch_kl` are the replayed forward's.
+
+    `loss_cfg.router_aux_coef` > 0 (a mixture-of-experts student): + coef * `router_aux_loss`, the routers'
+    load-balancing loss averaged over the sparse layers, over the tokens whose hidden states predict the loss's
+    response tokens (`response_mask_BxT`)."""
+    aux_coef = loss_cfg.router_aux_coef if model_cfg.sparse_layers else 0.0
 
     def loss_fn(params, batch: TrainBatch, teacher_head=None):
         recorded = batch.sampler_experts_BxSxLsxk  # [B, S, Ls, k] or None (a dense student)
@@ -42,23 +47,40 @@ def rollout_loss_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, dtype=jnp.floa
             recorded, replay = (jnp.moveaxis(x, 2, 0) for x in (recorded, replay))  # [Ls, B, S, k]: the forward's
         routed = recorded is not None
         if batch.plan is not None:  # packed rows: the hidden states that predict response tokens, compact
+            if aux_coef:  # refused by `validate.check_run` (the mask would need the compact layout's positions)
+                raise ValueError("loss.router_aux_coef: not with train.pack")
             out = packed_hidden(params, model_cfg, batch.tokens_BxS, batch.plan, dtype=dtype, remat=remat,
                                 return_routing=routed, replay_experts_LsxBpxCxk=replay)
-            hidden, *own = out if routed else (out,)
+            hidden, *extra = out if routed else (out,)
             loss, metrics = token_loss(loss_cfg, params, model_cfg, compact_hidden(hidden, batch.plan), batch.loss,
                                        dtype=dtype, teacher_head=teacher_head)
         else:
-            hidden, _, *own = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg,
-                                                  attn_mask_BxT=batch.attn_mask_BxS, dtype=dtype, return_hidden=True,
-                                                  remat=remat, return_routing=routed, replay_experts_LsxBxTxk=replay)
+            aux_mask = aux_mask_BxS(batch) if aux_coef else None
+            hidden, _, *extra = transformer.forward(params, batch.tokens_BxS, cfg=model_cfg,
+                                                    attn_mask_BxT=batch.attn_mask_BxS, dtype=dtype,
+                                                    return_hidden=True, remat=remat, return_routing=routed,
+                                                    replay_experts_LsxBxTxk=replay, router_aux_mask_BxT=aux_mask)
             S, N = batch.tokens_BxS.shape[1], batch.n_response
             loss, metrics = token_loss(loss_cfg, params, model_cfg, hidden[:, S - N - 1:S - 1], batch.loss,
                                        dtype=dtype, teacher_head=teacher_head)
         if routed:
-            metrics = metrics | routing_flip_metrics(own[0], recorded)
+            metrics = metrics | routing_flip_metrics(extra[0], recorded)
+        if aux_coef:
+            aux = jnp.mean(extra[-1])
+            loss = loss + aux_coef * aux
+            metrics = metrics | {"router_aux_loss": aux}
         return loss, metrics
 
     return loss_fn
+
+
+def aux_mask_BxS(batch: TrainBatch) -> jax.Array:
+    """[B, S]: the positions whose hidden states predict the response tokens the loss counts (`response_mask_BxT`
+    shifted by one: position S - N - 1 + t predicts response token t)."""
+    B, S = batch.tokens_BxS.shape
+    N = batch.n_response
+    resp = jnp.asarray(batch.loss.response_mask_BxT, bool)
+    return jnp.concatenate([jnp.zeros((B, S - N - 1), bool), resp, jnp.zeros((B, 1), bool)], axis=1)
 
 
 def routing_flip_metrics(own_LsxBxTxk: Int[Array, "Ls B T k"], recorded_LsxBxTxk: Int[Array, "Ls B T k"]

@@ -9,7 +9,8 @@
   checkpoints' metadata before any weight is read or any model is trained, `jopd aot` on the architectures it
   sizes. `check_compatible` is one teacher against the student (and their tokenizers when given).
 - `check_cross(cfg, cross)`: `build_step`'s `cross` against the kind; `check_routing_replay` the student against
-  `train.routing_replay` (from `check_models` and `build_step`).
+  `train.routing_replay`, `check_experts` the models against `mesh.expert` and `loss.router_aux_coef` (both from
+  `check_models` and `build_step`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def check_run(cfg: "RunConfig") -> None:
     if objective.cross_tokenizer is not None and cfg.train.pack:
         raise ConfigError(f"train.pack: not with loss.kind={cfg.loss.kind} (a teacher with another tokenizer scores "
                           f"its own sequences)")
+    if cfg.train.pack and cfg.loss.router_aux_coef:
+        raise ConfigError(f"loss.router_aux_coef={cfg.loss.router_aux_coef}: not with train.pack (the router's loss "
+                          f"is counted over the padded rows' response positions)")
     if cfg.train.pack and cfg.optim.grad_accum_steps > 1:
         raise ConfigError(f"train.pack: not with optim.grad_accum_steps={cfg.optim.grad_accum_steps} (a packed row "
                           f"holds several rollouts; micro-batches would split its packing)")
@@ -148,6 +152,7 @@ def check_models(cfg: "RunConfig", student: "ModelConfig | None", teachers: Sequ
     crossed = cfg.loss.cross_tokenizer != "off"
     if student is not None:
         check_routing_replay(cfg, student)
+        check_experts(cfg, student, teachers)
         for (role, _), t_cfg, own in zip(roles, teachers, own_tokenizer):
             if t_cfg is not None and not own:
                 check_compatible(student, t_cfg, None, None, role, own_tokenizer_run=crossed)
@@ -178,6 +183,23 @@ def check_routing_replay(cfg: "RunConfig", student: "ModelConfig") -> None:
     if cfg.train.routing_replay and not student.sparse_layers:
         raise ValueError(f"RunConfig.train.routing_replay: the student ({student.family}) has no mixture-of-experts "
                          f"layer whose routing to replay; set it false")
+
+
+def check_experts(cfg: "RunConfig", student: "ModelConfig", teachers: Sequence["ModelConfig | None"] = ()) -> None:
+    """`mesh.expert` (expert parallelism) and `loss.router_aux_coef` against the models: a split needs a student
+    with experts, and the expert count of every mixture-of-experts model (its layers sit on the same mesh) divisible
+    by it; the router's loss needs a router."""
+    ep = cfg.mesh.expert
+    if ep > 1 and not student.sparse_layers:
+        raise ValueError(f"RunConfig.mesh.expert={ep}: the student ({student.family}) has no mixture-of-experts "
+                         f"layer whose experts to split; set it 1")
+    for name, model in [("student", student)] + [(f"teacher {i}", t) for i, t in enumerate(teachers)]:
+        if ep > 1 and model is not None and model.sparse_layers and model.num_experts % ep:
+            raise ValueError(f"RunConfig.mesh.expert={ep}: does not divide the {name}'s num_experts="
+                             f"{model.num_experts}")
+    if cfg.loss.router_aux_coef and not student.sparse_layers:
+        raise ValueError(f"RunConfig.loss.router_aux_coef={cfg.loss.router_aux_coef}: the student ({student.family}) "
+                         f"has no router to balance; set it 0")
 
 
 def own_tokenizers(cross, teachers: int) -> tuple[bool, ...]:

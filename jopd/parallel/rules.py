@@ -8,7 +8,9 @@ SmolLM2's 9 heads under tensor=2). A dim whose every candidate failed on divisib
 "error" (strict: a ValueError naming the param path, logical axis, mesh axis and sizes) or "replicate".
 
 TRAIN_RULES: params split over fsdp (embed) x tensor; SAMPLE_RULES: params split only over tensor and replicated
-over data/fsdp, so decoding a token never all-gathers weights. Both put the batch over data x fsdp.
+over data/fsdp, so decoding a token never all-gathers weights. Both put the batch over data x fsdp (x expert), and a
+mixture-of-experts layer's experts over `expert` (its router stays whole: every device routes its own tokens).
+A candidate naming an optional mesh axis (`mesh.OPTIONAL_AXES`: expert) the mesh lacks goes without it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
-from jopd.parallel.mesh import MeshConfig, OnIndivisible, fmt_sizes
+from jopd.parallel.mesh import OPTIONAL_AXES, MeshConfig, OnIndivisible, fmt_sizes
 
 MeshAxes = str | tuple[str, ...] | None  # one candidate: a mesh axis, several (product), or None (replicate)
 
@@ -34,6 +36,11 @@ def _as_axes(cand: MeshAxes) -> tuple[str, ...]:
     if isinstance(cand, str):
         return (cand,)
     return tuple(cand)
+
+
+def _mesh_axes(cand: MeshAxes, mesh: Mesh) -> tuple[str, ...]:
+    """A candidate's axes on this mesh: an optional axis the mesh lacks (size 1, `make_mesh` leaves it out) dropped."""
+    return tuple(a for a in _as_axes(cand) if a in mesh.shape or a not in OPTIONAL_AXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +78,18 @@ class AxisRules:
         """Every mesh axis the rules name must exist in the mesh."""
         for logical, cands in self.rules:
             for cand in cands:
-                for axis in _as_axes(cand):
+                for axis in _mesh_axes(cand, mesh):
                     if axis not in mesh.shape:
                         raise ValueError(f"{self.name} rules: logical axis '{logical}' maps to mesh axis "
                                          f"'{axis}', which is not in the mesh {fmt_sizes(dict(mesh.shape))}")
 
 
 _ACTIVATION_RULES: dict[str, Sequence[MeshAxes]] = {
-    "batch": [("data", "fsdp")],
+    # The batch goes over `expert` too: the dense parts of a model (attention, the head, the loss) then split their
+    # rows over every device instead of repeating them on each device of an expert group, and the sparse layer
+    # gathers its group's rows itself (`moe.sparse_mlp`). No fallback without `expert` where it does not divide: the
+    # step's batch sharding is one spec for every batch leaf, so an indivisible batch is an error (data.batch_size).
+    "batch": [("data", "fsdp", "expert")],
     "length": [None],
     "act_embed": [None],
     "act_heads": ["tensor"],
@@ -97,7 +108,8 @@ TRAIN_RULES = AxisRules.from_dict("train", {
     "kv_heads": ["tensor"],
     "head_dim": ["tensor", None],  # only where heads/kv_heads could not take `tensor` (used left to right)
     "mlp": ["tensor"],
-    "experts": [None],  # a MoE layer's experts: whole on every device (expert parallelism is not built yet)
+    "experts": ["expert"],  # a MoE layer's experts: 1/expert of them per device
+    "router_experts": [None],  # the router's E columns: whole everywhere (every device routes its own tokens)
     **_ACTIVATION_RULES,
 })
 
@@ -109,7 +121,8 @@ SAMPLE_RULES = AxisRules.from_dict("sample", {
     "kv_heads": ["tensor"],
     "head_dim": ["tensor", None],
     "mlp": ["tensor"],
-    "experts": [None],  # a MoE layer's experts: whole on every device (expert parallelism is not built yet)
+    "experts": ["expert"],  # as in training: decoding runs each device's experts on the group's rows
+    "router_experts": [None],
     **_ACTIVATION_RULES,
 })
 
@@ -132,7 +145,7 @@ def logical_to_spec(logical: Sequence[str | None], mesh: Mesh, rules: AxisRules,
         if name is not None:
             rejected = []
             for cand in rules.candidates(name, where):
-                axes = _as_axes(cand)
+                axes = _mesh_axes(cand, mesh)
                 if used & set(axes):
                     continue
                 size = math.prod(mesh.shape[a] for a in axes)
