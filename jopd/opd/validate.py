@@ -186,13 +186,13 @@ def check_routing_replay(cfg: "RunConfig", student: "ModelConfig") -> None:
 
 
 def check_experts(cfg: "RunConfig", student: "ModelConfig", teachers: Sequence["ModelConfig | None"] = ()) -> None:
-    """`mesh.expert` (expert parallelism) and `loss.router_aux_coef` against the models: a split needs a student
-    with experts, and the expert count of every mixture-of-experts model (its layers sit on the same mesh) divisible
+    """`mesh.expert` (expert parallelism) and `loss.router_aux_coef` against the models: a split needs a model
+    with experts (a dense student beside a MoE teacher is fine: its weights split over fsdp x expert), and the expert count of every mixture-of-experts model (its layers sit on the same mesh) divisible
     by it; the router's loss needs a router."""
     ep = cfg.mesh.expert
-    if ep > 1 and not student.sparse_layers:
-        raise ValueError(f"RunConfig.mesh.expert={ep}: the student ({student.family}) has no mixture-of-experts "
-                         f"layer whose experts to split; set it 1")
+    if ep > 1 and not student.sparse_layers and not any(t is not None and t.sparse_layers for t in teachers):
+        raise ValueError(f"RunConfig.mesh.expert={ep}: no model (student {student.family}, or a teacher) has a "
+                         f"mixture-of-experts layer whose experts to split; set it 1")
     for name, model in [("student", student)] + [(f"teacher {i}", t) for i, t in enumerate(teachers)]:
         if ep > 1 and model is not None and model.sparse_layers and model.num_experts % ep:
             raise ValueError(f"RunConfig.mesh.expert={ep}: does not divide the {name}'s num_experts="

@@ -102,7 +102,9 @@ _ACTIVATION_RULES: dict[str, Sequence[MeshAxes]] = {
 
 TRAIN_RULES = AxisRules.from_dict("train", {
     "vocab": ["tensor"],
-    "embed": ["fsdp"],
+    # A dense weight's embed dim goes over the expert axis too (an expert leaf's experts dim took it already), so a
+    # dense student beside a MoE teacher is not replicated over the expert groups; fsdp alone where that does not divide.
+    "embed": [("fsdp", "expert"), "fsdp"],
     "layers": [None],
     "heads": ["tensor"],
     "kv_heads": ["tensor"],

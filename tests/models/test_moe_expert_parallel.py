@@ -199,9 +199,10 @@ def test_expert_settings_are_refused_in_one_line():
 
     dense = ModelConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                         num_kv_heads=1, head_dim=8)
-    with pytest.raises(ValueError, match=r"^RunConfig.mesh.expert=4: the student \(llama\) has no mixture-of-experts "
-                                         r"layer whose experts to split; set it 1$"):
-        check_experts(load_config(None, ["mesh.expert=4", "mesh.data=2"]), dense)
+    with pytest.raises(ValueError, match=r"^RunConfig.mesh.expert=4: no model \(student llama, or a teacher\) has a "
+                                         r"mixture-of-experts layer whose experts to split; set it 1$"):
+        check_experts(load_config(None, ["mesh.expert=4", "mesh.data=2"]), dense, (dense,))
+    check_experts(load_config(None, ["mesh.expert=4", "mesh.data=2"]), dense, (CFG,))  # a MoE teacher's experts
     with pytest.raises(ValueError, match=r"^RunConfig.mesh.expert=3: does not divide the student's num_experts=8$"):
         check_experts(load_config(None, ["mesh.expert=3", "mesh.data=1"]), CFG)
     with pytest.raises(ValueError, match=r"^RunConfig.loss.router_aux_coef=0.01: the student \(llama\) has no "
@@ -262,3 +263,20 @@ def test_opd_step_with_expert_parallelism_equals_one_device():
     assert step8.shardings.batch.spec == P(("data", "fsdp", "expert"))
     for leaf in (st8.params["layers"]["expert_down"], st8.opt_state[1][0].mu["layers"]["expert_down"]):
         assert {s.data.shape[1] for s in leaf.addressable_shards} == {CFG.num_experts // 4}
+
+
+def test_dense_weights_split_over_fsdp_and_expert_and_expert_leaves_keep_their_split():
+    """Under fsdp 2 x expert 4 a dense weight's embed dim goes over both axes (a dense student beside a MoE teacher
+    is not replicated over the expert groups); an expert leaf's experts take `expert`, its embed `fsdp` alone."""
+    from jopd.parallel import param_shardings, rules_for
+
+    mesh = _mesh(fsdp=2, expert=4)
+    dense = ModelConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=8)
+    specs = jax.tree.map(lambda s: s.spec, param_shardings(dense, mesh, rules_for("train")))
+    assert specs["embed"] == P("tensor", ("fsdp", "expert"))
+    assert specs["layers"]["q"] == P(None, ("fsdp", "expert"), "tensor", None)
+    moe_specs = jax.tree.map(lambda s: s.spec, param_shardings(CFG, mesh, rules_for("train")))
+    layer = moe_specs["layers"]
+    assert layer["expert_gate"] == P(None, "expert", "fsdp", "tensor")
+    assert layer["router"] == P(None, ("fsdp", "expert"), None)  # the router's embed dim; its experts stay whole
