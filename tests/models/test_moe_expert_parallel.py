@@ -84,7 +84,7 @@ def test_expert_parallel_update_equals_one_device_and_splits_the_experts():
     b_sh = jax.tree.map(lambda x: NamedSharding(mesh, P(("data", "fsdp", "expert"))), batch)
     assert meshlib.batch_sharding(mesh, rules, (B, P_ + N)).spec == P(("data", "fsdp", "expert"), None)
     assert p_sh["layers"]["expert_gate"].spec == P(None, "expert", "fsdp", "tensor")
-    assert p_sh["layers"]["router"].spec == P(None, "fsdp", None)  # the router stays whole over `expert`
+    assert p_sh["layers"]["router"].spec == P(None, ("fsdp", "expert"), None)  # its E columns whole
     with jax.set_mesh(mesh):
         args = (jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
         step = jax.jit(grad_fn, in_shardings=(p_sh, b_sh)).lower(*args).compile()
