@@ -123,8 +123,16 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig
     return StepShardings(
         student=student, teacher=teacher, sampler_params=sampler_params,
         state=state, batch=batch,
-        cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), smesh, sample_rules)["k"],
+        cache=cache_sharding(s_cfg, smesh, sample_rules),
         sampler_batch=sampler_batch)
+
+
+def cache_sharding(s_cfg: ModelConfig, mesh: Mesh, rules: meshlib.AxisRules) -> NamedSharding:
+    """Every per-layer [B, K, S, Dh] KV-cache buffer's sharding, the kv heads checked against `tensor` (with
+    on_indivisible=replicate a kv-head count `tensor` does not divide is not split; the rows' count varies with the
+    engine: a multiple of every batch split stands in for it)."""
+    shape = (mesh.size, s_cfg.num_kv_heads, 1, s_cfg.head_dim)
+    return meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, rules, {"k": shape, "v": shape})["k"]
 
 
 def teacher_shardings(t_cfg: ModelConfig, mesh, train_rules: meshlib.AxisRules, placement: str):

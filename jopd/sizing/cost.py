@@ -132,7 +132,7 @@ class _Variants:
     def lowering(self, kind: str, layers: tuple[int, ...], chunk: int) -> Callable[[], Any]:
         def lower():
             flat, ins = self.at(layers, chunk)  # outside the mesh: building a step runs optax's init eagerly
-            with jax.set_mesh(flat.mesh):
+            with jax.set_mesh(flat.sampler_mesh if kind in ("prefill", "decode") else flat.mesh):
                 return self._lower(kind, flat, ins)
 
         return lower
@@ -219,11 +219,11 @@ def _rollout_programs(step: OPDStep, ins: StepInputs) -> dict[str, tuple[int, Ca
     rows, S = step.rollout_rows, ins.slots
     U = rows // step.prefill_group
     Pl, N = cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
-    sds, b = jax.ShapeDtypeStruct, sh.batch
+    sds, b = jax.ShapeDtypeStruct, sh.sampler_batch
     per_row = lambda n, dtype, *tail: sds((n, *tail), dtype, sharding=b)  # noqa: E731
     engine = engine_of(ins.engine)
     # the static engine writes every row at one slot index (a scalar); the slot engine's rows are at their own steps
-    scalar = sds((), jnp.int32, sharding=NamedSharding(step.mesh, PartitionSpec()))
+    scalar = sds((), jnp.int32, sharding=NamedSharding(step.sampler_mesh, PartitionSpec()))
     index = per_row(S, jnp.int32) if engine.per_row else scalar
     prefill_cache = kv_cache(step, U) if engine.per_row else ins.cache
     token_out = {k: b for k in _token_keys(step)}
