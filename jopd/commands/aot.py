@@ -76,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         raise ValueError(f"--hbm-gib: must be positive, got {args.hbm_gib}")
     devices = topology_devices(args.topology) if args.topology else None
-    options = dict(target=args.topology or "local", stages=stages,
-                   hbm_bytes=None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30)),
-                   progress=sys.stderr.isatty(), cost=args.topology is not None and not args.no_cost)
+    options = {"target": args.topology or "local", "stages": stages,
+               "hbm_bytes": None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30)),
+               "progress": sys.stderr.isatty(), "cost": args.topology is not None and not args.no_cost}
     if layouts is not None:
         rows = compare_sampler_layouts(cfg, layouts, devices, **options)
         for row in rows:

@@ -409,6 +409,9 @@ def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
         notes.append("+passes: fp32 matmuls at Precision.HIGHEST run 6 bf16 MXU passes (HIGH: 3); XLA counts one")
     if step.sampler.engine(step.rollout_rows, step.prefill_group)[0]:
         notes.append("sample: the slot engine's refills (prompt KV copied into a slot) are not counted")
+    if step.shardings.own_sampler_layout:
+        notes.append("sample: the rollouts' copy from the sampler's mesh (sampling.mesh) to the trainer's batch layout "
+                     "(a jax.device_put after the sampler) is not counted; the weight sync's reshard is")
     if cfg.optim.grad_accum_steps > 1:
         notes.append(f"train_step: costed as one batch; the weights' reads per micro-batch "
                      f"(optim.grad_accum_steps={cfg.optim.grad_accum_steps}) are counted once")

@@ -181,16 +181,15 @@ def layout_table(rows: list[LayoutRow]) -> str:
     best = min(ranked, key=lambda r: r.seconds) if ranked else None
     head = ("sampler layout", "mesh", "peak GiB/chip", "fits", "weight_sync s", "sample s", "=s", "rollout tok/s/chip",
             "")
-    num = lambda x, f="{:.4g}": "-" if x is None else f.format(x)  # noqa: E731
     table = [head]
     for r in rows:
         roof = r.report.roofline if r.report else None
-        stage = (lambda n: None if roof is None else roof.stage_seconds(n))  # noqa: E731
+        sync, sample, tok = (None, None, None) if roof is None else (
+            roof.stage_seconds("weight_sync"), roof.stage_seconds("sample"), roof.rollout_tokens_per_s_per_chip)
         mesh = " ".join(f"{k}={v}" for k, v in r.sampler_mesh.items()) or "-"
-        tok = None if roof is None else roof.rollout_tokens_per_s_per_chip
-        table.append((r.name, mesh, num(None if r.peak_per_chip is None else r.peak_per_chip / GiB, "{:.3g}"),
-                      "yes" if r.fits else "NO", num(stage("weight_sync")), num(stage("sample")), num(r.seconds),
-                      num(tok, "{:.0f}"), "<- fastest" if r is best else ""))
+        table.append((r.name, mesh, _fmt(None if r.peak_per_chip is None else r.peak_per_chip / GiB, "{:.3g}"),
+                      "yes" if r.fits else "NO", _fmt(sync), _fmt(sample), _fmt(r.seconds), _fmt(tok, "{:.0f}"),
+                      "<- fastest" if r is best else ""))
     widths = [max(len(t[i]) for t in table) for i in range(len(head))]
     lines = ["sampler layouts (sampling.mesh), each compiled on the same devices:"]
     lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths))).rstrip()
@@ -199,3 +198,7 @@ def layout_table(rows: list[LayoutRow]) -> str:
     if not any(r.report is not None and r.report.roofline is not None for r in rows):
         lines.append("  (no roofline: compile for a --topology, without --no-cost, to rank them by time)")
     return "\n".join(lines)
+
+
+def _fmt(x: float | None, spec: str = "{:.4g}") -> str:
+    return "-" if x is None else spec.format(x)
