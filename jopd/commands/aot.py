@@ -15,15 +15,22 @@ compute/HBM bound plus its collectives, not overlapped; and with them overlapped
 tokens/s per chip and MFU. The cost programs (the looped stages' layers unrolled, one prefill and one decode step,
 one-layer programs for the loss chunks) take about as long again as the stages themselves: --no-cost skips them,
 --stages compiles and costs only the stages named.
+
+With --sampler-layouts "data=-1 ; data=-1,tensor=4" it compares where the sampler runs (`sampling.mesh`, a mesh over
+the same devices; `trainer` is the trainer's own mesh): for each candidate it compiles the weight sync (the trainer's
+layout resharded into the candidate's) and the sampler's program (and, with --topology, their cost programs: one
+prefill and one decode step each), prints each candidate's report, then one row per candidate: peak GiB per chip,
+whether it fits, the predicted weight sync and sample times, rollout tok/s per chip, and marks the fastest that fits.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
-from jopd.sizing.aot import STAGES
+from jopd.sizing.aot import LAYOUT_STAGES, STAGES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TPU topology to compile for, as libtpu names it: v5e:2x2, v5e:4x4 (v5litepod-16), "
                         "v5p:2x2x2 (v5p-16), v4:2x2x1, v6e:4x4 (default: the local devices)")
     p.add_argument("--out", default=None, help="also write the report as JSON (bytes per device) to this file")
-    p.add_argument("--stages", default=",".join(STAGES),
-                   help=f"comma-separated subset of {','.join(STAGES)}: only these are compiled and costed")
+    p.add_argument("--stages", default=None,
+                   help=f"comma-separated subset of {','.join(STAGES)}: only these are compiled and costed (default: "
+                        f"all; with --sampler-layouts: {','.join(LAYOUT_STAGES)})")
+    p.add_argument("--sampler-layouts", default=None, metavar="LAYOUTS",
+                   help="compare sampler layouts (sampling.mesh): candidates separated by ';', each axis=size pairs "
+                        "separated by ',', or 'trainer' (the trainer's mesh), e.g. \"trainer ; data=-1,tensor=4\". "
+                        "Compiles the weight sync and the sampler program (with --topology also their cost "
+                        "programs) once per candidate, and prints a row per candidate (peak GiB per chip, fits, "
+                        "predicted weight sync and sample s, rollout tok/s per chip) with the fastest that fits marked")
     p.add_argument("--hbm-gib", type=float, default=None,
                    help="HBM per device in GiB (default: from the device kind; unknown kinds are not checked)")
     p.add_argument("--no-cost", action="store_true",
@@ -50,19 +64,36 @@ def run(args: argparse.Namespace) -> int:
         # The topology supplies the compile target; the host backend only traces. On a TPU VM this also
         # keeps the tool off chips that a training run may be using.
         jax.config.update("jax_platforms", "cpu")
-    from jopd.sizing.aot import compile_opd_step
-    from jopd.sizing.report import check_fits
-    from jopd.sizing.topology import topology_devices
     from jopd.run.config import load_config
+    from jopd.sizing.aot import compare_sampler_layouts, compile_opd_step, parse_sampler_layouts
+    from jopd.sizing.report import check_fits, layout_table
+    from jopd.sizing.topology import topology_devices
 
     cfg = load_config(args.config, args.overrides)  # validation errors surface before any compile
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    layouts = None if args.sampler_layouts is None else parse_sampler_layouts(args.sampler_layouts)
+    default = LAYOUT_STAGES if layouts is not None else STAGES
+    stages = [s.strip() for s in (args.stages or ",".join(default)).split(",") if s.strip()]
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         raise ValueError(f"--hbm-gib: must be positive, got {args.hbm_gib}")
     devices = topology_devices(args.topology) if args.topology else None
-    report = compile_opd_step(cfg, devices, target=args.topology or "local", stages=stages,
-                              hbm_bytes=None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30)),
-                              progress=sys.stderr.isatty(), cost=args.topology is not None and not args.no_cost)
+    options = {"target": args.topology or "local", "stages": stages,
+               "hbm_bytes": None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30)),
+               "progress": sys.stderr.isatty(), "cost": args.topology is not None and not args.no_cost}
+    if layouts is not None:
+        rows = compare_sampler_layouts(cfg, layouts, devices, **options)
+        for row in rows:
+            if row.report is not None:
+                print(f"== sampler layout {row.name} ==")
+                print(row.report.table())
+        print(layout_table(rows))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({r.name: r.report.to_dict() if r.report else {"error": r.error} for r in rows}, f, indent=2)
+            print(f"wrote {args.out}")
+        if not any(r.fits for r in rows):
+            raise ValueError("--sampler-layouts: no candidate fits (see the rows above)")
+        return 0
+    report = compile_opd_step(cfg, devices, **options)
     print(report.table())
     if args.out:
         with open(args.out, "w") as f:

@@ -2,16 +2,23 @@
 its optimizer moments in their parameter's layout, each teacher by its `placement`, the rollout copy by the SAMPLE
 rules (tensor only, layers unstacked: decoding does no per-token FSDP gather), every batch array with its
 leading dimension over data x fsdp, the KV cache. Computed once per run (`step_shardings`); the same shardings
-place the initial state, describe the state a checkpoint is restored into, and constrain the step."""
+place the initial state, describe the state a checkpoint is restored into, and constrain the step.
+
+The sampler has a layout of its own (`sampling.mesh`, `sampler_mesh`): another mesh shape over the same devices,
+e.g. {data: 4, tensor: 4} beside the trainer's {fsdp: 16}. The rollout weights, the sampler's rows and its KV
+cache live there; the rows it returns are moved to the trainer's batch layout before scoring (`OPDStep.rollout`).
+Without it the sampler's mesh is the trainer's (the very same shardings)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
@@ -33,17 +40,66 @@ class StepShardings:
     sampler_params: Any  # rollout layout of the student, layers unstacked (what the weight sync returns)
     state: TrainState  # the train state's, from eval_shape of the initial state
     batch: NamedSharding  # leading dim over data x fsdp; its rank-1 spec fits every batch leaf of rank >= 1
-    cache: NamedSharding  # every per-layer [B, K, S, Dh] KV-cache buffer
+    cache: NamedSharding  # every per-layer [B, K, S, Dh] KV-cache buffer (the sampler's mesh)
+    # the sampler's rows (prompts, randomness, its outputs): `batch` itself when the sampler runs on the trainer's
+    # mesh, else the same leading-dim split over the sampler mesh's data x fsdp
+    sampler_batch: NamedSharding
+
+    @property
+    def sampler_mesh(self) -> Mesh:
+        return self.sampler_batch.mesh
+
+    @property
+    def own_sampler_layout(self) -> bool:
+        """The sampler runs on a mesh of its own (`sampling.mesh`): its rows are moved to `batch` for scoring."""
+        return self.sampler_batch is not self.batch
+
+
+def batch_shards(batch: NamedSharding) -> int:
+    """How many blocks a batch sharding splits the rows into (the product of its leading dim's mesh axes)."""
+    axes = batch.spec[0] if len(batch.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(batch.mesh.shape[a] for a in axes)
+
+
+def sampler_mesh(cfg: RunConfig, mesh: Mesh) -> Mesh:
+    """The sampler's mesh: `sampling.mesh`'s shape over the trainer mesh's devices in the trainer's device order
+    (jit wants one device order across a program's arguments and results, and the weight sync reads the trainer's
+    layout and writes the sampler's); the trainer's mesh itself when `sampling.mesh` is unset."""
+    layout = cfg.sampling.mesh
+    if layout is None:
+        return mesh
+    n = mesh.devices.size
+    sizes = layout.sizes()
+    fixed = {a: s for a, s in sizes.items() if s != -1}
+    for a, s in fixed.items():
+        if n % s:
+            raise ValueError(f"sampling.mesh.{a}={s}: does not divide the {n} devices of the trainer's mesh")
+    known = math.prod(fixed.values())
+    if n % known or (-1 not in sizes.values() and known != n):
+        axes = " x ".join(f"sampling.mesh.{a}={s}" for a, s in fixed.items() if s != 1)
+        raise ValueError(f"{axes or 'sampling.mesh'}: {known} devices, but the trainer's mesh has {n} (the sizes "
+                         f"must multiply to the device count; one axis may be -1)")
+    shape = tuple(n // known if s == -1 else s for s in sizes.values())
+    return Mesh(np.asarray(mesh.devices).reshape(shape), tuple(sizes), axis_types=mesh.axis_types)
 
 
 def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
                    optimizer: optax.GradientTransformation, running_baseline: bool = False) -> StepShardings:
-    train_rules, sample_rules = meshlib.rules_for("train", cfg.mesh), meshlib.rules_for("sample", cfg.mesh)
+    train_rules = meshlib.rules_for("train", cfg.mesh)
+    layout = cfg.sampling.mesh
+    smesh = sampler_mesh(cfg, mesh)
+    sample_rules = meshlib.rules_for("sample", cfg.mesh if layout is None else layout)
     student = meshlib.param_shardings(s_cfg, mesh, train_rules)
     # The sampler decodes over per-layer weights: the sync hands them over unstacked, so the sampler program
     # does not copy them (see `transformer.forward`).
-    sampler_params = meshlib.unstacked_layer_shardings(meshlib.param_shardings(s_cfg, mesh, sample_rules),
-                                                       s_cfg.num_layers)
+    try:
+        sampler_params = meshlib.param_shardings(s_cfg, smesh, sample_rules)
+    except ValueError as e:  # the SAMPLE rules split the params over `tensor` only
+        if layout is None:
+            raise
+        raise ValueError(f"sampling.mesh.tensor={smesh.shape['tensor']}: {e}") from None
+    sampler_params = meshlib.unstacked_layer_shardings(sampler_params, s_cfg.num_layers)
     params = meshlib.sharded_abstract(transformer.abstract_params(s_cfg, DTYPES[cfg.student.dtype]), student)
     replicated = NamedSharding(mesh, P())
     state = TrainState(step=replicated, params=student, opt_state=opt_state_shardings(optimizer, params),
@@ -53,14 +109,30 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig
     if cfg.rollout.staleness:  # the window of past params (`opd.staleness`), each in the trainer layout
         state = with_policies(state, (student,) * cfg.rollout.staleness)
     # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
-    meshlib.batch_sharding(mesh, sample_rules, (cfg.data.batch_size * rollouts_per_prompt(cfg),),
-                           where="data.batch_size")
+    rows = cfg.data.batch_size * rollouts_per_prompt(cfg)
+    meshlib.batch_sharding(mesh, meshlib.rules_for("sample", cfg.mesh), (rows,), where="data.batch_size")
+    batch = meshlib.batch_sharding(mesh, meshlib.rules_for("sample", cfg.mesh), ndim=1)
+    sampler_batch = batch
+    if layout is not None:
+        meshlib.batch_sharding(smesh, sample_rules, (rows,), where=(
+            f"sampling.mesh.data x sampling.mesh.fsdp ({rows} rollouts: data.batch_size {cfg.data.batch_size} x "
+            f"{rollouts_per_prompt(cfg)} per prompt)"))
+        sampler_batch = meshlib.batch_sharding(smesh, sample_rules, ndim=1)
     teacher = tuple(teacher_shardings(c, mesh, train_rules, src.placement)
                     for c, src in zip(t_cfgs, cfg.teacher_sources()))
     return StepShardings(
         student=student, teacher=teacher, sampler_params=sampler_params,
-        state=state, batch=meshlib.batch_sharding(mesh, sample_rules, ndim=1),
-        cache=meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, sample_rules)["k"])
+        state=state, batch=batch,
+        cache=cache_sharding(s_cfg, smesh, sample_rules),
+        sampler_batch=sampler_batch)
+
+
+def cache_sharding(s_cfg: ModelConfig, mesh: Mesh, rules: meshlib.AxisRules) -> NamedSharding:
+    """Every per-layer [B, K, S, Dh] KV-cache buffer's sharding, the kv heads checked against `tensor` (with
+    on_indivisible=replicate a kv-head count `tensor` does not divide is not split; the rows' count varies with the
+    engine: a multiple of every batch split stands in for it)."""
+    shape = (mesh.size, s_cfg.num_kv_heads, 1, s_cfg.head_dim)
+    return meshlib.logical_to_sharding(meshlib.cache_logical_axes(), mesh, rules, {"k": shape, "v": shape})["k"]
 
 
 def teacher_shardings(t_cfg: ModelConfig, mesh, train_rules: meshlib.AxisRules, placement: str):

@@ -58,7 +58,7 @@ from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sample
 from jopd.opd.optim import make_optimizer
 from jopd.opd.resolve import (resolve_loss_config, rollout_seed, rollouts_per_prompt, student_compute_dtype,
                               teacher_compute_dtype, weight_sync_key)
-from jopd.opd.shardings import StepShardings, step_shardings
+from jopd.opd.shardings import StepShardings, batch_shards, step_shardings
 from jopd.opd.rewards import RLTrainState
 from jopd.opd.student_loss import rollout_loss_fn
 from jopd.opd.scoring import score_rollout
@@ -166,9 +166,20 @@ class OPDStep:
         return G if self.cfg.data.batch_size % self.sampler.shards == 0 else 1
 
     @property
+    def batch_shards(self) -> int:
+        """Batch shards of the trainer's layout (scoring, packing, routing); the sampler's are `sampler.shards`
+        (the same unless `sampling.mesh` gives the sampler a mesh of its own)."""
+        return batch_shards(self.shardings.batch)
+
+    @property
     def local_shards(self) -> int:
-        """Batch shards of this process's rows."""
-        return max(1, self.sampler.shards // jax.process_count())
+        """Trainer batch shards of this process's rows."""
+        return max(1, self.batch_shards // jax.process_count())
+
+    @property
+    def sampler_mesh(self):
+        """The mesh the sampler runs on (`sampling.mesh`; the trainer's `mesh` by default)."""
+        return self.shardings.sampler_mesh
 
     @property
     def rollout_rows(self) -> int:
@@ -251,11 +262,23 @@ class OPDStep:
                               self.sampler.sampling.max_new_tokens)
         every = shared  # one prefilled prompt per `shared` consecutive rows
         prompts = (batch["prompt_tokens"][::every], batch["prompt_mask"][::every].astype(bool))
-        prompt_UxP, mask_UxP, u, k = host_local_to_global(prompts + tuple(rand), self.shardings.batch)
-        sample = self.sampler.sample_padded(sampler_params, prompt_UxP, mask_UxP, RowRandomness(u, k),
-                                            group=shared)
-        iterations, sample = sample.decode_iterations, sample._replace(decode_iterations=None)
-        prompt, mask = (prompt_UxP, mask_UxP) if shared == 1 else self.repeat_fn(prompt_UxP, mask_UxP)
+        prompt_UxP, mask_UxP, u, k = host_local_to_global(prompts + tuple(rand), self.shardings.sampler_batch)
+        if not self.shardings.own_sampler_layout:
+            sample = self.sampler.sample_padded(sampler_params, prompt_UxP, mask_UxP, RowRandomness(u, k),
+                                                group=shared)
+            iterations, sample = sample.decode_iterations, sample._replace(decode_iterations=None)
+            prompt, mask = (prompt_UxP, mask_UxP) if shared == 1 else self.repeat_fn(prompt_UxP, mask_UxP)
+        else:
+            with jax.set_mesh(self.sampler_mesh):  # the sampler's activation constraints: its own mesh's axes
+                sample = self.sampler.sample_padded(sampler_params, prompt_UxP, mask_UxP, RowRandomness(u, k),
+                                                    group=shared)
+            iterations, sample = sample.decode_iterations, sample._replace(decode_iterations=None)
+            # the rows to the trainer's batch layout, where scoring (and the host's reads) expect them: an explicit
+            # copy between the two meshes (jit refuses an argument laid out otherwise); the prompts from the host
+            # rows (the sampler's unique prompts need not split over the trainer's batch shards)
+            sample = jax.device_put(sample, self.shardings.batch)
+            prompt, mask = host_local_to_global((batch["prompt_tokens"], batch["prompt_mask"].astype(bool)),
+                                                self.shardings.batch)
         arrays, ema = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=mask, sample=sample), None
         if self.loss_cfg.task_names:  # several tasks: each row's, for the per-task metrics
             arrays = arrays.replace(task_B=host_local_to_global(batch["task_id"].astype(np.int32), self.shardings.batch))
@@ -279,7 +302,7 @@ class OPDStep:
                                     self.sampler.sampling.max_new_tokens, shards=shards,
                                     width=self.cfg.train.pack_width, granularity=self.cfg.train.pack_granularity)
         plan = host_local_to_global(plan, self.shardings.batch)
-        return plan.replace(compact=plan.compact.replace(shards=self.sampler.shards))  # the global shard count
+        return plan.replace(compact=plan.compact.replace(shards=self.batch_shards))  # the global shard count
 
     def score(self, teacher_params, rollout: Rollout, reference_params=None) -> TrainBatch:
         arrays = rollout.arrays
@@ -418,8 +441,8 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
                                    return_topk=loss_cfg.top_k if union else 0,
                                    return_routing=bool(s_cfg.sparse_layers))
     sampler = Sampler(s_cfg, sampling, cfg.rollout_precision,
-                      shardings=SamplerShardings(params=sh.sampler_params, batch=batch, cache=sh.cache))
-    routing = routinglib.resolve_routing(cfg, rollouts_per_prompt(cfg), sampler.shards)
+                      shardings=SamplerShardings(params=sh.sampler_params, batch=sh.sampler_batch, cache=sh.cache))
+    routing = routinglib.resolve_routing(cfg, rollouts_per_prompt(cfg), batch_shards(batch))
     precision = cfg.rollout_precision
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)

@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jopd.config_dataclass import config_dataclass
 from jopd.models.config import ModelConfig
+from jopd.parallel.mesh import MeshConfig
 
 
 @config_dataclass
@@ -45,6 +46,10 @@ class SamplingConfig:
     # Speed knob, same results: the top-p cut bisects until at most this many tokens sit at the boundary,
     # then ranks those exactly (no sort of the vocabulary; see `nucleus_threshold`).
     top_p_candidates: Annotated[int, pydantic.Field(gt=0)] = 128
+    # The OPD step's sampler layout: a mesh over the trainer's devices (e.g. {data: -1, tensor: 4}), the rollout
+    # weights split over its `tensor` axis and the rows over data x fsdp (`opd.shardings.sampler_mesh`); None: the
+    # trainer's mesh (`mesh:`). Not part of the compiled program (its shardings are).
+    mesh: MeshConfig | None = None
 
 
 class SampleOutput(NamedTuple):

@@ -56,8 +56,9 @@ def _program_precision(precision: PrecisionConfig) -> PrecisionConfig:
 
 
 def _program_sampling(sampling: SamplingConfig) -> SamplingConfig:
-    # the seed only enters through `row_randomness`; the slot count only through the cache shape
-    return dataclasses.replace(sampling, seed=0, slots=0, samples_per_prompt=1)
+    # the seed only enters through `row_randomness`; the slot count only through the cache shape; the mesh only
+    # through the shardings
+    return dataclasses.replace(sampling, seed=0, slots=0, samples_per_prompt=1, mesh=None)
 
 
 @functools.lru_cache(maxsize=64)

@@ -18,6 +18,7 @@ lowered with the same shardings, each compiled once and multiplied by how often 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,13 +26,14 @@ import jax
 from tqdm.auto import tqdm
 
 from jopd import parallel as meshlib
+from jopd.config_dataclass import ConfigError, build
 from jopd.opd import validate
 from jopd.opd.resolve import rollouts_per_prompt
 from jopd.opd.step import build_step
 from jopd.run.config import RunConfig
 from jopd.sizing.cost import predict_step
 from jopd.sizing.arch import cross_tokenizers, model_config_of, param_count, sizing_crosses
-from jopd.sizing.report import AotReport, StageMemory, StageReport
+from jopd.sizing.report import AotReport, LayoutRow, StageMemory, StageReport
 from jopd.sizing.roofline import Cost
 from jopd.sizing.stages import (
     bytes_per_device,
@@ -80,7 +82,8 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         bar.set_postfix_str(name)
         lower, resident = programs[name]
         kept = []  # the lowered program: its StableHLO gives the fp32 matmuls' MXU passes (`Cost.of`)
-        with jax.set_mesh(mesh):  # activations' batch constraints (transformer.constrain_batch) need the mesh
+        # activations' batch constraints (transformer.constrain_batch) need the mesh: the sampler's for its program
+        with jax.set_mesh(step.sampler_mesh if name == "sample" else mesh):
             compiled, secs, error = compile_stage(name, lambda lower=lower: kept.append(lower()) or kept[-1])
         text = kept[-1].as_text() if kept and compiled is not None and chip is not None else None
         reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
@@ -113,4 +116,53 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      devices_per_chip=devices_per_chip(devices),
                      hbm_per_device=hbm_bytes if hbm_bytes is not None else hbm_bytes_per_device(devices),
                      mesh=dict(mesh.shape), models=models, shapes=shapes, buffers=buffers, stages=reports,
-                     roofline=roofline)
+                     roofline=roofline,
+                     sampler_mesh=dict(step.sampler_mesh.shape) if step.shardings.own_sampler_layout else None)
+
+
+# -- the sampler's layout: one report per candidate mesh (`sampling.mesh`) -------------------------------------
+
+LAYOUT_STAGES: tuple[str, ...] = ("weight_sync", "sample")  # what a sampler layout changes
+
+
+def parse_sampler_layouts(text: str) -> list[tuple[str, meshlib.MeshConfig | None]]:
+    """`--sampler-layouts`: candidates separated by ';', each `axis=size` pairs separated by ',' (a `sampling.mesh`,
+    e.g. "data=-1 ; data=-1,tensor=4"; `on_indivisible=replicate` too), or `trainer` (the trainer's mesh:
+    `sampling.mesh` unset). Returns (the candidate as written, its MeshConfig or None)."""
+    out = []
+    for item in (t.strip() for t in text.split(";")):
+        if not item:
+            continue
+        if item == "trainer":
+            out.append((item, None))
+            continue
+        sizes = {}
+        for pair in (p.strip() for p in item.split(",")):
+            axis, eq, size = (x.strip() for x in pair.partition("="))
+            if axis == "on_indivisible" and eq:
+                sizes[axis] = size
+                continue
+            if not eq or not size.lstrip("-").isdigit():
+                raise ConfigError(f"--sampler-layouts: {pair!r} in {item!r} is not axis=size (e.g. "
+                                  f"'data=-1,tensor=4'; candidates separated by ';', or 'trainer')")
+            sizes[axis] = int(size)
+        out.append((item, build(meshlib.MeshConfig, sizes, "--sampler-layouts " + repr(item))))
+    if not out:
+        raise ConfigError("--sampler-layouts: no candidate given (e.g. 'data=-1 ; data=-1,tensor=4')")
+    return out
+
+
+def compare_sampler_layouts(cfg: RunConfig, layouts: Sequence[tuple[str, meshlib.MeshConfig | None]],
+                            devices: Sequence[Any] | None = None, **options) -> list[LayoutRow]:
+    """`compile_opd_step` of `cfg` with each candidate as its `sampling.mesh` (same devices, same trainer mesh),
+    `options` as there (`stages` defaults to `LAYOUT_STAGES`). A candidate the run refuses (a size that does not
+    divide the devices, the heads or the rows) is a row with its error, not a failure of the comparison."""
+    options.setdefault("stages", LAYOUT_STAGES)
+    rows = []
+    for name, layout in layouts:
+        variant = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, mesh=layout))
+        try:
+            rows.append(LayoutRow(name, compile_opd_step(variant, devices, **options)))
+        except ValueError as e:
+            rows.append(LayoutRow(name, None, str(e).splitlines()[0]))
+    return rows

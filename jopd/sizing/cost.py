@@ -132,7 +132,7 @@ class _Variants:
     def lowering(self, kind: str, layers: tuple[int, ...], chunk: int) -> Callable[[], Any]:
         def lower():
             flat, ins = self.at(layers, chunk)  # outside the mesh: building a step runs optax's init eagerly
-            with jax.set_mesh(flat.mesh):
+            with jax.set_mesh(flat.sampler_mesh if kind in ("prefill", "decode") else flat.mesh):
                 return self._lower(kind, flat, ins)
 
         return lower
@@ -219,11 +219,11 @@ def _rollout_programs(step: OPDStep, ins: StepInputs) -> dict[str, tuple[int, Ca
     rows, S = step.rollout_rows, ins.slots
     U = rows // step.prefill_group
     Pl, N = cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
-    sds, b = jax.ShapeDtypeStruct, sh.batch
+    sds, b = jax.ShapeDtypeStruct, sh.sampler_batch
     per_row = lambda n, dtype, *tail: sds((n, *tail), dtype, sharding=b)  # noqa: E731
     engine = engine_of(ins.engine)
     # the static engine writes every row at one slot index (a scalar); the slot engine's rows are at their own steps
-    scalar = sds((), jnp.int32, sharding=NamedSharding(step.mesh, PartitionSpec()))
+    scalar = sds((), jnp.int32, sharding=NamedSharding(step.sampler_mesh, PartitionSpec()))
     index = per_row(S, jnp.int32) if engine.per_row else scalar
     prefill_cache = kv_cache(step, U) if engine.per_row else ins.cache
     token_out = {k: b for k in _token_keys(step)}
@@ -409,6 +409,9 @@ def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
         notes.append("+passes: fp32 matmuls at Precision.HIGHEST run 6 bf16 MXU passes (HIGH: 3); XLA counts one")
     if step.sampler.engine(step.rollout_rows, step.prefill_group)[0]:
         notes.append("sample: the slot engine's refills (prompt KV copied into a slot) are not counted")
+    if step.shardings.own_sampler_layout:
+        notes.append("sample: the rollouts' copy from the sampler's mesh (sampling.mesh) to the trainer's batch layout "
+                     "(a jax.device_put after the sampler) is not counted; the weight sync's reshard is")
     if cfg.optim.grad_accum_steps > 1:
         notes.append(f"train_step: costed as one batch; the weights' reads per micro-batch "
                      f"(optim.grad_accum_steps={cfg.optim.grad_accum_steps}) are counted once")

@@ -68,6 +68,7 @@ class AotReport:
     buffers: dict[str, int]  # long-lived buffers, bytes per device
     stages: list[StageReport]
     roofline: Roofline | None = None  # the predicted time (compile_opd_step(cost=True))
+    sampler_mesh: dict[str, int] | None = None  # the sampler's mesh (`sampling.mesh`; None: the trainer's)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -100,6 +101,8 @@ class AotReport:
         chips = f", {self.devices_per_chip} devices per chip" if self.devices_per_chip > 1 else ""
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         lines = [f"target {self.target}: {self.num_devices} x {self.device_kind} ({hbm}{chips}), mesh {mesh}"]
+        if self.sampler_mesh is not None:
+            lines[0] += ", sampler mesh " + " ".join(f"{k}={v}" for k, v in self.sampler_mesh.items())
         for role, m in self.models.items():
             placed = f", {m['placement']} ({num(m['bytes_per_device'])} {unit} per device)" if "placement" in m else ""
             lines.append(f"{role}: {m['family']} {m['params'] / 1e9:.3f}B params, {m['dtype']}, {m['source']}{placed}")
@@ -138,3 +141,64 @@ def check_fits(report: AotReport) -> None:
     if failures:
         raise ValueError("does not fit: " + "; ".join(failures) + ". Use more chips (a larger fsdp axis), a "
                          "smaller data.batch_size or sequence lengths, optim.grad_accum_steps, bf16 weights")
+
+
+@dataclasses.dataclass
+class LayoutRow:
+    """One candidate sampler layout (`--sampler-layouts`): its report, or why the run refuses it."""
+
+    name: str
+    report: AotReport | None
+    error: str | None = None
+
+    @property
+    def sampler_mesh(self) -> dict[str, int]:
+        if self.report is None:
+            return {}
+        return self.report.mesh if self.report.sampler_mesh is None else self.report.sampler_mesh
+
+    @property
+    def peak_per_chip(self) -> int | None:
+        """The highest peak of its compiled stages, per chip (a chip's devices together)."""
+        peaks = [s.peak for s in self.report.stages if s.peak is not None] if self.report else []
+        return max(peaks) * self.report.devices_per_chip if peaks else None
+
+    @property
+    def fits(self) -> bool:
+        return self.report is not None and not self.report.failures()
+
+    @property
+    def seconds(self) -> float | None:
+        """Predicted seconds of its stages in sequence (weight sync + sample), or None without a roofline."""
+        r = self.report.roofline if self.report else None
+        return None if r is None else r.step_s
+
+
+def layout_table(rows: list[LayoutRow]) -> str:
+    """One line per candidate sampler layout: peak GiB per chip, whether it fits, the predicted weight sync and
+    sample times, rollout tok/s per chip; `<- fastest` on the quickest (weight sync + sample) of those that fit."""
+    ranked = [r for r in rows if r.fits and r.seconds is not None]
+    best = min(ranked, key=lambda r: r.seconds) if ranked else None
+    head = ("sampler layout", "mesh", "peak GiB/chip", "fits", "weight_sync s", "sample s", "=s", "rollout tok/s/chip",
+            "")
+    table = [head]
+    for r in rows:
+        roof = r.report.roofline if r.report else None
+        sync, sample, tok = (None, None, None) if roof is None else (
+            roof.stage_seconds("weight_sync"), roof.stage_seconds("sample"), roof.rollout_tokens_per_s_per_chip)
+        mesh = " ".join(f"{k}={v}" for k, v in r.sampler_mesh.items()) or "-"
+        table.append((r.name, mesh, _fmt(None if r.peak_per_chip is None else r.peak_per_chip / GiB, "{:.3g}"),
+                      "yes" if r.fits else "NO", _fmt(sync), _fmt(sample), _fmt(r.seconds), _fmt(tok, "{:.0f}"),
+                      "<- fastest" if r is best else ""))
+    widths = [max(len(t[i]) for t in table) for i in range(len(head))]
+    lines = ["sampler layouts (sampling.mesh), each compiled on the same devices:"]
+    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths))).rstrip()
+              for t in table]
+    lines += [f"  {r.name}: {r.error}" for r in rows if r.error]
+    if not any(r.report is not None and r.report.roofline is not None for r in rows):
+        lines.append("  (no roofline: compile for a --topology, without --no-cost, to rank them by time)")
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None, spec: str = "{:.4g}") -> str:
+    return "-" if x is None else spec.format(x)

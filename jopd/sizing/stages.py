@@ -89,11 +89,12 @@ def step_inputs(step: OPDStep) -> StepInputs:
     sds = jax.ShapeDtypeStruct
     prompt = sds((B, Pl), jnp.int32, sharding=sh.batch)
     prompt_mask = sds((B, Pl), jnp.bool_, sharding=sh.batch)
-    unique = sds((U, Pl), jnp.int32, sharding=sh.batch), sds((U, Pl), jnp.bool_, sharding=sh.batch)
-    rand = RowRandomness(sds((B, N), jnp.float32, sharding=sh.batch), sds((B, 2), jnp.uint32, sharding=sh.batch))
+    sb = sh.sampler_batch  # the sampler's rows: on its own mesh with `sampling.mesh`
+    unique = sds((U, Pl), jnp.int32, sharding=sb), sds((U, Pl), jnp.bool_, sharding=sb)
+    rand = RowRandomness(sds((B, N), jnp.float32, sharding=sb), sds((B, 2), jnp.uint32, sharding=sb))
     program = step.sampler.program_for(engine)
     sample = jax.eval_shape(program, sampler_params, *unique, rand, cache)._replace(cache=None, decode_iterations=None)
-    sample = abstract(sample, jax.tree.map(lambda _: sh.batch, sample))
+    sample = abstract(sample, jax.tree.map(lambda _: sh.batch, sample))  # what scoring gets: the trainer's layout
     per_row = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
     task = sds((B,), jnp.int32, sharding=sh.batch) if step.loss_cfg.task_names else None  # several tasks
     cross = None
