@@ -80,8 +80,11 @@ def sampler_mesh(cfg: RunConfig, mesh: Mesh) -> Mesh:
         axes = " x ".join(f"sampling.mesh.{a}={s}" for a, s in fixed.items() if s != 1)
         raise ValueError(f"{axes or 'sampling.mesh'}: {known} devices, but the trainer's mesh has {n} (the sizes "
                          f"must multiply to the device count; one axis may be -1)")
-    shape = tuple(n // known if s == -1 else s for s in sizes.values())
-    return Mesh(np.asarray(mesh.devices).reshape(shape), tuple(sizes), axis_types=mesh.axis_types)
+    full = {a: n // known if s == -1 else s for a, s in sizes.items()}
+    # as `make_mesh`: an optional axis (expert) of size 1 is left out, so the rules' programs match the trainer's
+    names = tuple(a for a in full if a not in meshlib.OPTIONAL_AXES or full[a] > 1)
+    return Mesh(np.asarray(mesh.devices).reshape(tuple(full[a] for a in names)), names,
+                axis_types=(mesh.axis_types[0],) * len(names))
 
 
 def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,

@@ -57,7 +57,7 @@ def test_cli_prints_each_layout_and_the_table(tmp_path, capsys):
 @pytest.mark.parametrize("text, message", [
     ("data=-1 ; tensor", r"--sampler-layouts: 'tensor' in 'tensor' is not axis=size"),
     ("data=two", r"--sampler-layouts: 'data=two' in 'data=two' is not axis=size"),
-    ("expert=2", r"--sampler-layouts 'expert=2'.expert: unknown key"),
+    ("stage=2", r"--sampler-layouts 'stage=2'.stage: unknown key"),
     (" ; ", r"--sampler-layouts: no candidate given"),
 ])
 def test_bad_layout_syntax_is_one_line(text, message):
