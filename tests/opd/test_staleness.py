@@ -123,6 +123,10 @@ def test_staleness_k_reproducible_split_exact_and_sigkill_resume_bit_identical(t
             np.testing.assert_allclose(m[name], kl[mask].mean(), rtol=2e-3, atol=1e-6, err_msg=f"step {t} {name}")
         parts = m["mismatch_kl_engine"] + m["mismatch_kl_staleness"] + m["mismatch_kl_cross"]
         np.testing.assert_allclose(parts, m["mismatch_kl"], rtol=1e-4, atol=1e-7)
+        # the IS weights' ESS, staleness included: ratios p(y)/q(y) of the sampled tokens against the current params
+        at = lambda lp: np.take_along_axis(lp, tokens[..., None].astype(np.int64), -1)[..., 0][mask]
+        ratio = np.exp(at(log_p) - at(log_q))
+        np.testing.assert_allclose(m["is_ess"], ratio.sum() ** 2 / (ratio.size * (ratio ** 2).sum()), rtol=1e-3)
         if t == 0:
             assert m["mismatch_kl_staleness"] < 1e-6 and abs(m["mismatch_kl_cross"]) < 1e-6
         elif t >= K:
