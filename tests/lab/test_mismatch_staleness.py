@@ -18,6 +18,7 @@ from jopd.opd.batch import sequence_layout
 from jopd.run.checkpoint import CheckpointConfig, Checkpointer
 from jopd.run.loop import build
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
+from tests.helpers.reference_kl import kl64, log_softmax64
 
 QUIET = dict(log=lambda *_: None)
 
@@ -36,16 +37,6 @@ def stale_run(tmp_path_factory):
 
 def _cfg(run_dir, *overrides):
     return runs.run_config(run_dir, [f"train.cache_dir={tiny_cache()}", "train.mismatch=exact", *overrides])
-
-
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
-def _kl(log_a, log_b):
-    return (np.exp(log_a) * (log_a - log_b)).sum(-1)
 
 
 def test_staleness_0_is_the_plain_report_bit_for_bit(stale_run):
@@ -96,12 +87,12 @@ def test_stale_split_matches_numpy_from_the_two_checkpoints(stale_run):
     def trainer(params):  # one plain forward, full logits, float64 log-softmax
         logits, _ = transformer.forward(jax.device_get(params), np.asarray(lay.tokens_BxS), cfg=opd.student_cfg,
                                         attn_mask_BxT=np.asarray(lay.attn_mask_BxS))
-        return _log_softmax(np.asarray(logits, np.float64)[:, S - N - 1:S - 1] / temp)
+        return log_softmax64(np.asarray(logits, np.float64)[:, S - N - 1:S - 1] / temp)
 
     log_q, log_r, log_p = np.asarray(a.sample.full_logprobs_BxNxV, np.float64), trainer(old.params), trainer(new.params)
     mask = np.asarray(lay.response_mask_BxN, bool)
-    ref = {"total": _kl(log_q, log_p)[mask].mean(), "engine": _kl(log_q, log_r)[mask].mean(),
-           "staleness": _kl(log_r, log_p)[mask].mean()}
+    ref = {"total": kl64(log_q, log_p)[mask].mean(), "engine": kl64(log_q, log_r)[mask].mean(),
+           "staleness": kl64(log_r, log_p)[mask].mean()}
     assert ref["engine"] > 1e-3 and ref["staleness"] > 1e-3  # both parts are real here
     assert rep.n_tokens == mask.sum()
     np.testing.assert_allclose(rep.exact_kl.mean, ref["total"], rtol=2e-3)

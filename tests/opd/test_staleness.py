@@ -21,19 +21,10 @@ from jopd.run.checkpoint import CheckpointConfig, Checkpointer
 from jopd.run.config import load_config
 from jopd.run.loop import build
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
+from tests.helpers.reference_kl import kl64, log_softmax64
 
 REPO = Path(__file__).resolve().parents[2]
 K = 2
-
-
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
-def _kl(log_a, log_b):
-    return (np.exp(log_a) * (log_a - log_b)).sum(-1)
 
 
 def _trainer_logprobs(params, cfg, rollout):
@@ -42,7 +33,7 @@ def _trainer_logprobs(params, cfg, rollout):
     lay = sequence_layout(a.prompt_BxP, a.prompt_mask_BxP, a.sample.tokens_BxN, a.sample.lengths_B)
     logits, _ = transformer.forward(params, lay.tokens_BxS, cfg=cfg, attn_mask_BxT=lay.attn_mask_BxS)
     S, N = lay.tokens_BxS.shape[1], lay.targets_BxN.shape[1]
-    return _log_softmax(np.asarray(logits)[:, S - N - 1:S - 1]), np.asarray(lay.response_mask_BxN)
+    return log_softmax64(np.asarray(logits)[:, S - N - 1:S - 1]), np.asarray(lay.response_mask_BxN)
 
 
 def _config(tmp: Path, k: int, steps: int):
@@ -117,8 +108,8 @@ def test_staleness_k_reproducible_split_exact_and_sigkill_resume_bit_identical(t
         log_q = np.asarray(rollouts[t].sample.full_logprobs_BxNxV, np.float64)
         log_r, mask = _trainer_logprobs(params[v], opd.student_cfg, rollouts[t])
         log_p, _ = _trainer_logprobs(params[t], opd.student_cfg, rollouts[t])
-        ref = {"mismatch_kl": _kl(log_q, log_p), "mismatch_kl_engine": _kl(log_q, log_r),
-               "mismatch_kl_staleness": _kl(log_r, log_p)}
+        ref = {"mismatch_kl": kl64(log_q, log_p), "mismatch_kl_engine": kl64(log_q, log_r),
+               "mismatch_kl_staleness": kl64(log_r, log_p)}
         for name, kl in ref.items():
             np.testing.assert_allclose(m[name], kl[mask].mean(), rtol=2e-3, atol=1e-6, err_msg=f"step {t} {name}")
         parts = m["mismatch_kl_engine"] + m["mismatch_kl_staleness"] + m["mismatch_kl_cross"]
@@ -167,11 +158,11 @@ def test_split_parts_add_up_to_the_exact_kl_and_vanish_where_they_should():
 
     rng = np.random.default_rng(0)
     logits_q, logits_r, logits_p = (rng.normal(0, 2, (2, 3, 11)).astype(np.float32) for _ in range(3))
-    log_q, log_r = _log_softmax(logits_q).astype(np.float32), _log_softmax(logits_r).astype(np.float32)
+    log_q, log_r = log_softmax64(logits_q).astype(np.float32), log_softmax64(logits_r).astype(np.float32)
     split = {k: np.asarray(v, np.float64) for k, v in staleness_split_BxT(log_q, log_r, logits_p / 0.7, 1.0).items()}
-    log_p = _log_softmax(logits_p / 0.7)
-    np.testing.assert_allclose(split["engine"], _kl(log_q, log_r), rtol=1e-5)
-    np.testing.assert_allclose(split["staleness"], _kl(log_r, log_p), rtol=1e-5)
+    log_p = log_softmax64(logits_p / 0.7)
+    np.testing.assert_allclose(split["engine"], kl64(log_q, log_r), rtol=1e-5)
+    np.testing.assert_allclose(split["staleness"], kl64(log_r, log_p), rtol=1e-5)
     total = np.asarray(exact_kl_BxT(log_q, logits_p, 0.7), np.float64)
     np.testing.assert_allclose(split["engine"] + split["staleness"] + split["cross"], total, rtol=1e-5)
     same_engine = staleness_split_BxT(log_q, log_q, logits_p, 1.0)  # q = r: all of it is staleness
