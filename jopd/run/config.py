@@ -30,6 +30,9 @@ from jopd.sampling.config import SamplingConfig
 from jopd.sampling.precision import PrecisionConfig
 
 
+EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")  # ArchConfig's MoE
+
+
 @config_dataclass
 class ArchConfig:
     """Architecture of a built-in testbed model (trained from scratch by SFT; the tokenizer sets the vocab)."""
@@ -65,11 +68,9 @@ class ArchConfig:
             raise ValueError("moe_intermediate_size: must be >= 1 for a MoE model")
 
     def experts(self) -> dict:
-        """The expert fields a ModelConfig takes (none for a dense model: its SFT cache key stays as before)."""
-        if not self.num_experts:
-            return {}
-        return {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob}
+        """The expert fields (`EXPERT_FIELDS`, as ModelConfig names them), none for a dense model: neither its
+        ModelConfig nor its SFT cache key changes."""
+        return {f: getattr(self, f) for f in EXPERT_FIELDS} if self.num_experts else {}
 
 
 @config_dataclass

@@ -27,7 +27,7 @@ from jopd.models import io, transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd.optim import OptimConfig, make_optimizer
-from jopd.run.config import ModelSource, RunConfig, WarmStartConfig
+from jopd.run.config import EXPERT_FIELDS, ModelSource, RunConfig, WarmStartConfig
 from jopd.opd.student_loss import sft_loss_fn
 from jopd.opd.train_state import init_train_state, make_train_step
 
@@ -68,10 +68,6 @@ def _checkpoint_fingerprint(path: str) -> dict[str, Any]:
     return {"path": str(root), "files": [[str(p.relative_to(root.parent)), p.stat().st_size] for p in files]}
 
 
-# ArchConfig's MoE fields: in the key only for a MoE model, so a dense model's cache entry is the one it had before
-_EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
-
-
 def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str:
     fields = {
         "v": _FORMAT_VERSION, "role": role, "warm": dataclasses.asdict(src.resolved_warm_start()),
@@ -81,8 +77,8 @@ def sft_key(role: str, src: ModelSource, data_cfg: DataConfig, tokenizer) -> str
         "template": tokenizer.chat_template,
     }
     if src.path is None:
-        arch = dataclasses.asdict(src.arch)
-        fields["arch"] = {k: v for k, v in arch.items() if k not in _EXPERT_FIELDS or src.arch.num_experts}
+        dense = {k: v for k, v in dataclasses.asdict(src.arch).items() if k not in EXPERT_FIELDS}
+        fields["arch"] = dense | src.arch.experts()  # a dense model's key is the one it had before MoE fields
     else:
         fields.update(start=_checkpoint_fingerprint(src.path), num_layers=src.num_layers)
     blob = json.dumps(fields, sort_keys=True, default=str)
