@@ -7,7 +7,8 @@ place the initial state, describe the state a checkpoint is restored into, and c
 The sampler has a layout of its own (`sampling.mesh`, `sampler_mesh`): another mesh shape over the same devices,
 e.g. {data: 4, tensor: 4} beside the trainer's {fsdp: 16}. The rollout weights, the sampler's rows and its KV
 cache live there; the rows it returns are moved to the trainer's batch layout before scoring (`OPDStep.rollout`).
-Without it the sampler's mesh is the trainer's (the very same shardings)."""
+Without it the sampler's mesh is the trainer's (the very same shardings). With `rollout.placement=disaggregated`
+(`opd.placement`) the sampler's mesh is over devices of its own."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class StepShardings:
     # the sampler's rows (prompts, randomness, its outputs): `batch` itself when the sampler runs on the trainer's
     # mesh, else the same leading-dim split over the sampler mesh's data x fsdp
     sampler_batch: NamedSharding
+    # disaggregated (`opd.placement`): the student's params (stacked, the trainer's dtype) on the sampler's devices,
+    # what the weight transfer writes and the sync reads; None when the sampler shares the trainer's devices
+    sampler_student: Any = None
 
     @property
     def sampler_mesh(self) -> Mesh:
@@ -62,36 +66,44 @@ def batch_shards(batch: NamedSharding) -> int:
     return math.prod(batch.mesh.shape[a] for a in axes)
 
 
-def sampler_mesh(cfg: RunConfig, mesh: Mesh) -> Mesh:
+def sampler_mesh(cfg: RunConfig, mesh: Mesh, devices=None) -> Mesh:
     """The sampler's mesh: `sampling.mesh`'s shape over the trainer mesh's devices in the trainer's device order
     (jit wants one device order across a program's arguments and results, and the weight sync reads the trainer's
-    layout and writes the sampler's); the trainer's mesh itself when `sampling.mesh` is unset."""
+    layout and writes the sampler's); the trainer's mesh itself when `sampling.mesh` is unset. `devices`: the
+    sampler's own devices (`rollout.placement=disaggregated`, `opd.placement`), `{data: -1}` when unset."""
     layout = cfg.sampling.mesh
-    if layout is None:
+    if layout is None and devices is None:
         return mesh
-    n = mesh.devices.size
+    pool = np.asarray(mesh.devices).reshape(-1) if devices is None else np.asarray(list(devices), dtype=object)
+    where = "the trainer's mesh has" if devices is None else "rollout.sampler_devices gives the sampler"
+    layout = meshlib.MeshConfig() if layout is None else layout
+    n = pool.size
     sizes = layout.sizes()
     fixed = {a: s for a, s in sizes.items() if s != -1}
     for a, s in fixed.items():
         if n % s:
-            raise ValueError(f"sampling.mesh.{a}={s}: does not divide the {n} devices of the trainer's mesh")
+            raise ValueError(f"sampling.mesh.{a}={s}: does not divide the {n} devices {where}")
     known = math.prod(fixed.values())
     if n % known or (-1 not in sizes.values() and known != n):
         axes = " x ".join(f"sampling.mesh.{a}={s}" for a, s in fixed.items() if s != 1)
-        raise ValueError(f"{axes or 'sampling.mesh'}: {known} devices, but the trainer's mesh has {n} (the sizes "
+        raise ValueError(f"{axes or 'sampling.mesh'}: {known} devices, but {where} {n} (the sizes "
                          f"must multiply to the device count; one axis may be -1)")
     full = {a: n // known if s == -1 else s for a, s in sizes.items()}
     # as `make_mesh`: an optional axis (expert) of size 1 is left out, so the rules' programs match the trainer's
     names = tuple(a for a in full if a not in meshlib.OPTIONAL_AXES or full[a] > 1)
-    return Mesh(np.asarray(mesh.devices).reshape(tuple(full[a] for a in names)), names,
+    return Mesh(pool.reshape(tuple(full[a] for a in names)), names,
                 axis_types=(mesh.axis_types[0],) * len(names))
 
 
 def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
-                   optimizer: optax.GradientTransformation, running_baseline: bool = False) -> StepShardings:
+                   optimizer: optax.GradientTransformation, running_baseline: bool = False,
+                   sampler_devices=None) -> StepShardings:
+    """`sampler_devices`: the sampler's own devices (`rollout.placement=disaggregated`); None: the trainer's."""
     train_rules = meshlib.rules_for("train", cfg.mesh)
-    layout = cfg.sampling.mesh
-    smesh = sampler_mesh(cfg, mesh)
+    own = sampler_devices is not None
+    layout = cfg.sampling.mesh if cfg.sampling.mesh is not None or not own else \
+        meshlib.MeshConfig(on_indivisible=cfg.mesh.on_indivisible)
+    smesh = sampler_mesh(cfg, mesh, sampler_devices)
     sample_rules = meshlib.rules_for("sample", cfg.mesh if layout is None else layout)
     student = meshlib.param_shardings(s_cfg, mesh, train_rules)
     # The sampler decodes over per-layer weights: the sync hands them over unstacked, so the sampler program
@@ -102,6 +114,8 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig
         if layout is None:
             raise
         raise ValueError(f"sampling.mesh.tensor={smesh.shape['tensor']}: {e}") from None
+    # disaggregated: the policy's fp32 params are copied into this layout (stacked) before the sync runs there
+    sampler_student = sampler_params if own else None
     sampler_params = meshlib.unstacked_layer_shardings(sampler_params, s_cfg.num_layers)
     params = meshlib.sharded_abstract(transformer.abstract_params(s_cfg, DTYPES[cfg.student.dtype]), student)
     replicated = NamedSharding(mesh, P())
@@ -127,7 +141,7 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig
         student=student, teacher=teacher, sampler_params=sampler_params,
         state=state, batch=batch,
         cache=cache_sharding(s_cfg, smesh, sample_rules),
-        sampler_batch=sampler_batch)
+        sampler_batch=sampler_batch, sampler_student=sampler_student)
 
 
 def cache_sharding(s_cfg: ModelConfig, mesh: Mesh, rules: meshlib.AxisRules) -> NamedSharding:

@@ -18,6 +18,8 @@ part is (an exact engine, or no lag).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,11 @@ class RolloutConfig:
     # Step n samples with the params of step n - k (the first k steps with the initial ones); 0: synchronous.
     # Costs k copies of the student's params in the train state (and its checkpoints).
     staleness: int = pydantic.Field(0, ge=0)
+    # colocated: the sampler on the trainer's devices, one stage after the other. disaggregated: the sampler on
+    # devices of its own (`opd.placement`), the first `sampler_devices` of the process's devices; with k >= 1 its
+    # rollout of step n+1 runs beside the update of step n (the window's params are not the update's outputs).
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    sampler_devices: int = pydantic.Field(0, ge=0)  # disaggregated: how many devices the sampler gets
 
 
 @flax.struct.dataclass
@@ -61,6 +68,14 @@ def with_policies(state: TrainState, policies: tuple) -> TrainState:
     """`state` with the window `policies` (a plain or RL train state)."""
     cls = LaggedRLTrainState if isinstance(state, RLTrainState) else LaggedTrainState
     return cls(**vars(state), policies=tuple(policies))
+
+
+def split_window(state: TrainState) -> tuple[TrainState, tuple]:
+    """(the state without its window, the window): what the update takes, so the window's buffers are never
+    an update's outputs and a rollout that reads them need not wait for it."""
+    fields = {k: v for k, v in vars(state).items() if k != "policies"}
+    cls = RLTrainState if isinstance(state, LaggedRLTrainState) else TrainState
+    return cls(**fields), state.policies
 
 
 def policy_step(step: int, staleness: int) -> int:

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jopd.data.mixture import task_sources
 from jopd.losses import LossConfig
@@ -52,7 +53,7 @@ from jopd.losses.kinds import OBJECTIVES, Objective
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.opd import packing, rewards, routing as routinglib, validate
+from jopd.opd import packing, placement, rewards, routing as routinglib, validate
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
 from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sampler_full_logprobs
 from jopd.opd.optim import make_optimizer
@@ -256,7 +257,14 @@ class OPDStep:
         batch = rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
         local_rows = local_prompts * G
         policy, policy_step = (state.params, step) if policy is None else (policy, policy_step)
-        sampler_params = self.sync_fn(policy, weight_sync_key(state.rng, policy_step))
+        key = weight_sync_key(state.rng, policy_step)
+        if self.shardings.sampler_student is None:
+            sampler_params = self.sync_fn(policy, key)
+        else:  # disaggregated: the weight transfer between the device sets, then the sync on the sampler's
+            policy = jax.device_put(policy, self.shardings.sampler_student)
+            key = jax.device_put(key, NamedSharding(self.sampler_mesh, PartitionSpec()))
+            with jax.set_mesh(self.sampler_mesh):
+                sampler_params = self.sync_fn(policy, key)
         first = step * local_rows * jax.process_count() + jax.process_index() * local_rows
         rand = row_randomness(rollout_seed(self.cfg.train.seed), first + np.arange(local_rows),
                               self.sampler.sampling.max_new_tokens)
@@ -349,6 +357,12 @@ class OPDStep:
                 train_batch = stale.with_lagged_logprobs(train_batch, log_r)
             del policy  # the window's oldest copy: freed once the sampler (and r) are done, not held through the update
             state = stale.advance(state, self.copy_fn(state.params))  # before the update donates them
+            # the update takes the state without its window, so the window is no output of it: the next step's
+            # rollout (its oldest params) can run while this update does (`opd.placement`)
+            state, window = stale.split_window(state)
+            # the update passes its key through unchanged but donates it: the next rollout reads a copy made now
+            # (ready at once), not the update's output
+            rng = jax.device_put(state.rng, state.rng.sharding, may_alias=False)
         history = []
         for i in range(self.cfg.rl.inner_updates):
             if i:  # XLA:CPU can deadlock two queued programs' collectives (8 simulated devices): one at a time
@@ -361,6 +375,7 @@ class OPDStep:
             state = state.replace(reward_ema=jax.device_put(rollout.reward_ema, self.shardings.state.reward_ema))
         metrics = inner_update_metrics(history)
         if self.staleness:
+            state = stale.with_policies(state.replace(rng=rng), window)
             metrics = dict(metrics, rollout_lag=np.float32(step - version))
         return state, metrics, rollout
 
@@ -431,7 +446,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)
-    sh = step_shardings(cfg, s_cfg, t_cfgs, mesh, optimizer, running)
+    sh = step_shardings(cfg, s_cfg, t_cfgs, mesh, optimizer, running, placement.sampler_devices(cfg, mesh))
     batch = sh.batch
 
     # the union support takes the student's top-K ids from the sampler, where its logits already exist
@@ -444,8 +459,11 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
                       shardings=SamplerShardings(params=sh.sampler_params, batch=sh.sampler_batch, cache=sh.cache))
     routing = routinglib.resolve_routing(cfg, rollouts_per_prompt(cfg), batch_shards(batch))
     precision = cfg.rollout_precision
+    # disaggregated: the sync runs on the sampler's devices, after the policy's transfer there (`OPDStep.rollout`)
+    sync_in = (sh.student, sh.state.rng) if sh.sampler_student is None else \
+        (sh.sampler_student, NamedSharding(sh.sampler_mesh, PartitionSpec()))
     sync_fn = jax.jit(lambda p, k: transformer.unstack_layers(prepare_sampler_params(p, precision, k)),
-                      in_shardings=(sh.student, sh.state.rng), out_shardings=sh.sampler_params)
+                      in_shardings=sync_in, out_shardings=sh.sampler_params)
     dtype = student_compute_dtype(cfg)  # fp32 master weights and moments (`student.dtype`), matmuls in this dtype
     tables = tuple(None if c is None else c.table for c in cross)
     score = functools.partial(score_rollout, teacher_cfgs=t_cfgs, student_cfg=s_cfg, loss_cfg=loss_cfg,
@@ -456,9 +474,11 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     in_sh = (sh.teacher, batch) + ((sh.student,) if needs_reference(loss_cfg) else ())
     score_fn = jax.jit(score, in_shardings=in_sh, out_shardings=batch)
     loss_fn = rollout_loss_fn(s_cfg, loss_cfg, dtype, remat=cfg.train.remat)
-    in_sh = (sh.state, batch) + ((head_params(sh.teacher[routing.scorer]),) if objective.reads_teacher_head else ())
+    # with a window of past params (rollout.staleness) the update takes the state without it (`__call__`)
+    update_state = stale.split_window(sh.state)[0] if cfg.rollout.staleness else sh.state
+    in_sh = (update_state, batch) + ((head_params(sh.teacher[routing.scorer]),) if objective.reads_teacher_head else ())
     update_fn = jax.jit(make_train_step(loss_fn, optimizer, cfg.optim.grad_accum_steps, skip_nonfinite=True),
-                        in_shardings=in_sh, out_shardings=(sh.state, None), donate_argnums=0)
+                        in_shardings=in_sh, out_shardings=(update_state, None), donate_argnums=0)
     G = rollouts_per_prompt(cfg)
     repeat_fn = jax.jit(lambda *xs: tuple(jnp.repeat(x, G, axis=0) for x in xs), in_shardings=batch,
                         out_shardings=batch)

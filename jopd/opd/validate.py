@@ -61,6 +61,11 @@ def check_run(cfg: "RunConfig") -> None:
     if lag and lag >= cfg.train.steps:
         raise ConfigError(f"rollout.staleness={lag}: must be below train.steps={cfg.train.steps} (every step would "
                           f"sample with the initial parameters)")
+    if cfg.rollout.placement == "disaggregated" and not cfg.rollout.sampler_devices:
+        raise ConfigError("rollout.sampler_devices: rollout.placement=disaggregated needs the sampler's device count")
+    if cfg.rollout.sampler_devices and cfg.rollout.placement != "disaggregated":
+        raise ConfigError(f"rollout.sampler_devices={cfg.rollout.sampler_devices}: only with "
+                          f"rollout.placement=disaggregated")
     if cfg.train.probe_every and objective.cross_tokenizer is not None:
         raise ConfigError(f"train.probe_every: the probe feeds the teacher the student's token ids; not with "
                           f"loss.kind={cfg.loss.kind} (a teacher with another tokenizer)")

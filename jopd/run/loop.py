@@ -26,13 +26,12 @@ from jopd.run.evaluate import compare_table, evaluate_heldout
 from jopd.run.guards import RunGuard, loggable
 from jopd.run.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.cross_teacher import misaligned_summary
-from jopd.opd import validate
+from jopd.opd import placement, validate
 from jopd.run.model_sources import (cross_teachers, get_model, get_teachers, precheck_sources,
                                    run_tokenizer, teacher_tokenizers)
 from jopd.run.config import RunConfig, to_yaml
 from jopd.opd.step import OPDStep, build_step
 from jopd.opd.train_state import TrainState
-from jopd.parallel import mesh as meshlib
 from jopd.parallel.distributed import maybe_initialize
 
 CURVES = ["loss", "reward", "entropy", "clip_frac", "divergence", "teacher_kl_k1", "topk_mass", "mismatch_kl",
@@ -54,7 +53,8 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     """Models (loaded, or the testbed's, trained once and cached), mesh and step; the initial train state."""
     maybe_initialize()
     precheck_sources(cfg)  # vocab / template mismatch, missing files: fail before any compute
-    mesh = meshlib.make_mesh(cfg.mesh)  # a mesh the devices cannot form fails here, before any model is trained
+    # a mesh the devices cannot form fails here, before any model is trained; disaggregated, over the trainer's share
+    mesh = placement.trainer_mesh(cfg)
     tokenizer = run_tokenizer(cfg)
     validate.check_tokenizer(cfg, tokenizer)  # where it is first read: before any model is trained
     t_toks = teacher_tokenizers(cfg)  # the student's, unless a cross-tokenizer loss.kind

@@ -70,6 +70,9 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else (None,) * len(roles)
     # the vocabularies and the contexts, as `jopd train` checks them
     validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))
+    if cfg.rollout.placement != "colocated":
+        raise ValueError(f"rollout.placement={cfg.rollout.placement}: jopd aot sizes the colocated step only (a "
+                         f"disaggregated split's sizing is not built)")
     mesh = meshlib.make_mesh(cfg.mesh, devices)
     step = build_step(cfg, s_cfg, t_cfgs, mesh, cross=cross)
     inputs = step_inputs(step)

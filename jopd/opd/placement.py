@@ -1,0 +1,75 @@
+"""Where the sampler runs (`rollout.placement`): on the trainer's devices (`colocated`, the default), or on
+devices of its own (`disaggregated`): the first `rollout.sampler_devices` of the process's devices hold the
+sampler's mesh (`sampling.mesh`'s shape, `{data: -1}` when unset) and the rest the trainer's (`mesh:`).
+
+Disaggregated, the weight sync is a copy between the two device sets (`jax.device_put` of the policy's fp32
+params into the sampler's layout, then the cast / quantization / noise on the sampler's devices) and the
+rollouts are copied back to the trainer's batch layout for scoring. With `rollout.staleness` k >= 1 the step's
+window of past params is not an output of the update (`staleness.split_window`), so the sampler's program of
+step n+1, dispatched while the update of step n is still running, has its inputs ready and runs beside it: a
+two-stage pipeline whose queue is one rollout deep, its staleness bounded by k. The samples are the in-place
+k-lag mode's (row-seeded sampling does not depend on the layout: tests/opd/test_disaggregated.py).
+
+One process only: a sampler in processes of its own (rollouts through TensorStore, restart of a dead sampler)
+is not built."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+
+if TYPE_CHECKING:  # the run's config is the layer above the step (jopd.run): annotations only
+    from jopd.run.config import RunConfig
+
+
+def disaggregated(cfg: RunConfig) -> bool:
+    return cfg.rollout.placement == "disaggregated"
+
+
+def check_placement(cfg: RunConfig, num_devices: int) -> None:
+    """`rollout.placement` / `rollout.sampler_devices` against the devices: one-line errors naming the field."""
+    n = cfg.rollout.sampler_devices
+    if not disaggregated(cfg):
+        if n:
+            raise ValueError(f"rollout.sampler_devices={n}: only with rollout.placement=disaggregated")
+        return
+    if jax.process_count() > 1:
+        raise ValueError("rollout.placement=disaggregated: one process only (a sampler in processes of its own is "
+                         "not built)")
+    if not 1 <= n < num_devices:
+        raise ValueError(f"rollout.sampler_devices={n}: must be between 1 and {num_devices - 1} (the sampler's "
+                         f"share of the {num_devices} devices; the trainer keeps the rest)")
+
+
+def split_devices(cfg: RunConfig, devices: Sequence[jax.Device] | None = None
+                  ) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(the trainer's devices, the sampler's): all of them for both when colocated; disaggregated, the first
+    `rollout.sampler_devices` are the sampler's and the rest the trainer's."""
+    devices = list(jax.devices() if devices is None else devices)
+    check_placement(cfg, len(devices))
+    if not disaggregated(cfg):
+        return devices, devices
+    n = cfg.rollout.sampler_devices
+    return devices[n:], devices[:n]
+
+
+def sampler_devices(cfg: RunConfig, mesh) -> list[jax.Device] | None:
+    """The sampler's own devices for a step built on the trainer's `mesh` (None when colocated): the process's
+    devices the trainer's mesh leaves, which must be `rollout.sampler_devices` of them (`trainer_mesh`)."""
+    if not disaggregated(cfg):
+        return None
+    own = set(mesh.devices.flat)
+    free = [d for d in jax.devices() if d not in own]
+    if len(free) != cfg.rollout.sampler_devices:
+        raise ValueError(f"rollout.sampler_devices={cfg.rollout.sampler_devices}: the trainer's mesh leaves "
+                         f"{len(free)} of the {len(jax.devices())} devices (build it with opd.placement.trainer_mesh)")
+    return free
+
+
+def trainer_mesh(cfg: RunConfig):
+    """The trainer's mesh (`mesh:`) over its share of the process's devices (all of them when colocated)."""
+    from jopd import parallel as meshlib
+
+    return meshlib.make_mesh(cfg.mesh, split_devices(cfg)[0])
