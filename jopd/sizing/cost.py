@@ -353,9 +353,17 @@ def attention_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int
     return tuple(out)
 
 
-def _layer_and_head_params(cfg: ModelConfig) -> tuple[int, int]:
+def active_layer_and_head_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(the layers' parameters a token's forward multiplies, the LM head's): a mixture-of-experts layer counts its
+    experts' weights at top-k / experts (each token runs k of the E experts), its router whole."""
     layers = transformer.abstract_params(cfg)["layers"]
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(layers)), cfg.hidden_size * cfg.vocab_size
+    share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    def is_expert(path) -> bool:  # the experts' weights, stacked or per layer (a mixed dense/sparse schedule)
+        return any(str(getattr(k, "key", "")).startswith("expert_") for k in path)
+
+    count = sum(math.prod(x.shape) * (share if is_expert(path) else 1.0)
+                for path, x in jax.tree_util.tree_leaves_with_path(layers))
+    return int(round(count)), cfg.hidden_size * cfg.vocab_size
 
 
 def step_model_flops(step: OPDStep) -> dict[str, float]:
@@ -367,9 +375,9 @@ def step_model_flops(step: OPDStep) -> dict[str, float]:
     cfg = step.cfg
     B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
     U = B // step.prefill_group
-    student = _layer_and_head_params(step.student_cfg)
+    student = active_layer_and_head_params(step.student_cfg)
     s_cfg, T = step.student_cfg, Pl + N
-    scoring = sum(model_flops(*_layer_and_head_params(t_cfg), rows * T, rows * N, 2)
+    scoring = sum(model_flops(*active_layer_and_head_params(t_cfg), rows * T, rows * N, 2)
                   + causal_model_flops(t_cfg, rows, T, 2)
                   for t_cfg, rows in zip(step.teacher_cfgs, teacher_rows(step)))
     if step.uses_reference:
