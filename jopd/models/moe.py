@@ -160,6 +160,50 @@ def expert_parallel_swiglu(h_BxTxD: Float[Array, "B T D"], ids_BxTxk: Int[Array,
                          axis_names=free)(h_BxTxD, ids_BxTxk, weights_BxTxk, gate_ExDxI, up_ExDxI, down_ExIxD)
 
 
+def _rows_spec(h_BxTxD, mesh, free) -> tuple[P, list[str]]:
+    """The batch axes (in `BATCH_AXES` order, free in the context mesh) that split the rows evenly."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    batch, n = [], 1
+    for a in BATCH_AXES:
+        if a in free and sizes[a] > 1 and h_BxTxD.shape[0] % (n * sizes[a]) == 0:
+            batch.append(a)
+            n *= sizes[a]
+    return P(tuple(batch) or None), batch
+
+
+def _local_routed_swiglu(h_bxTxD, ids_bxTxk, weights_bxTxk, gate_ExDxI, up_ExDxI, down_ExIxD, *, dtype):
+    b, T, D = h_bxTxD.shape
+    k = ids_bxTxk.shape[-1]
+    y = routed_swiglu(h_bxTxD.reshape(b * T, D), ids_bxTxk.reshape(b * T, k), weights_bxTxk.reshape(b * T, k),
+                      gate_ExDxI, up_ExDxI, down_ExIxD, dtype=dtype)
+    return y.reshape(b, T, D)
+
+
+def data_parallel_swiglu(h_BxTxD: Float[Array, "B T D"], ids_BxTxk: Int[Array, "B T k"],
+                         weights_BxTxk: Float[Array, "B T k"], gate_ExDxI: Float[Array, "E D I"],
+                         up_ExDxI: Float[Array, "E D I"], down_ExIxD: Float[Array, "E I D"], *, dtype
+                         ) -> Float[Array, "B T D"]:
+    """`routed_swiglu` on each device's own rows, in a `jax.shard_map` over the context mesh's free axes, every
+    expert whole on every device (gathered on entry, as FSDP gathers a layer's weights). Without it XLA's
+    partitioner all-gathers every device's expert ids for the dispatch's sort and all-reduces the whole batch's
+    gathered tokens, so each device ran every token's experts (seen in the compiled programs for CPU and TPU)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    rows, _ = _rows_spec(h_BxTxD, mesh, free)
+    fn = functools.partial(_local_routed_swiglu, dtype=dtype)
+    return jax.shard_map(fn, in_specs=(rows, rows, rows, P(), P(), P()), out_specs=rows,
+                         axis_names=free)(h_BxTxD, ids_BxTxk, weights_BxTxk, gate_ExDxI, up_ExDxI, down_ExIxD)
+
+
+def _splits_rows(h_BxTxD) -> bool:
+    """The context mesh has a free batch axis that splits these rows (a data-parallel layer's dispatch)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    free = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    return bool(_rows_spec(h_BxTxD, mesh, free)[1])
+
+
 def sparse_mlp(cfg: ModelConfig, lp: dict[str, Any], h_BxTxD: Float[Array, "B T D"], dtype,
                replay_BxTxk: Int[Array, "B T k"] | None = None) -> tuple[Float[Array, "B T D"], Int[Array, "B T k"]]:
     """A sparse layer's MLP on the normed hidden states: (its output, each token's expert ids chosen by its router).
@@ -182,6 +226,8 @@ def sparse_mlp(cfg: ModelConfig, lp: dict[str, Any], h_BxTxD: Float[Array, "B T 
     experts = (lp["expert_gate"], lp["expert_up"], lp["expert_down"])
     if expert_group_size() > 1:
         y = expert_parallel_swiglu(h_BxTxD, ids.reshape(B, T, k), weights.reshape(B, T, k), *experts, dtype=dtype)
+    elif _splits_rows(h_BxTxD):
+        y = data_parallel_swiglu(h_BxTxD, ids.reshape(B, T, k), weights.reshape(B, T, k), *experts, dtype=dtype)
     else:
         y = routed_swiglu(h_NxD, ids, weights, *experts, dtype=dtype).reshape(B, T, D)
     return y, own.reshape(B, T, -1)
