@@ -23,6 +23,8 @@ Leaves of a sparse layer (E experts of width I): router_DxE, expert_gate_ExDxI, 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Any
 
@@ -66,6 +68,35 @@ def gate_weights(probs_NxE: Float[Array, "N E"], ids_Nxk: Int[Array, "N k"], *, 
     return weights_Nxk
 
 
+# `jopd aot`'s cost programs (`sizing.moe_cost`): XLA's cost analysis counts a ragged_dot over every row of its
+# operand, including the rows past the groups' sizes (an expert-parallel device's other devices' pairs), so the
+# cost programs run the grouped matmuls as an identity and the sizing adds the experts' work analytically.
+_STAND_IN = contextvars.ContextVar("moe_grouped_matmuls_stand_in", default=False)
+
+
+@contextlib.contextmanager
+def grouped_matmuls_stand_in():
+    """Within it, the experts' grouped matmuls are an identity on the dispatched rows (zero FLOPs): for cost
+    programs only; the routing, the dispatch's gathers and collectives stay."""
+    token = _STAND_IN.set(True)
+    try:
+        yield
+    finally:
+        _STAND_IN.reset(token)
+
+
+def _experts_swiglu(x_MxD, gate_ExDxI, up_ExDxI, down_ExIxD, group_sizes_E, dtype):
+    """Each row through its group's expert SwiGLU (rows past the groups' sizes: left out by `ragged_dot`)."""
+    if _STAND_IN.get():
+        return x_MxD
+    prec = matmul_precision(dtype)
+
+    def grouped(x, w):
+        return jax.lax.ragged_dot(x, w.astype(dtype), group_sizes_E, precision=prec)
+
+    return grouped(jax.nn.silu(grouped(x_MxD, gate_ExDxI)) * grouped(x_MxD, up_ExDxI), down_ExIxD)
+
+
 def routed_swiglu(h_NxD: Float[Array, "N D"], ids_Nxk: Int[Array, "N k"], weights_Nxk: Float[Array, "N k"],
                   gate_ExDxI: Float[Array, "E D I"], up_ExDxI: Float[Array, "E D I"],
                   down_ExIxD: Float[Array, "E I D"], *, dtype) -> Float[Array, "N D"]:
@@ -77,12 +108,7 @@ def routed_swiglu(h_NxD: Float[Array, "N D"], ids_Nxk: Int[Array, "N k"], weight
     order_M = jnp.argsort(flat_M, stable=True)  # grouped by expert, in token order within a group
     group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
     x_MxD = h_NxD.astype(dtype)[order_M // k]
-
-    def grouped(x, w):
-        return jax.lax.ragged_dot(x, w.astype(dtype), group_sizes_E, precision=prec)
-
-    hidden_MxI = jax.nn.silu(grouped(x_MxD, gate_ExDxI)) * grouped(x_MxD, up_ExDxI)
-    y_MxD = grouped(hidden_MxI, down_ExIxD)
+    y_MxD = _experts_swiglu(x_MxD, gate_ExDxI, up_ExDxI, down_ExIxD, group_sizes_E, dtype)
     back_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(N * k, dtype=order_M.dtype))  # inverse permutation
     y_NxkxD = y_MxD[back_M].reshape(N, k, -1)
     return jnp.einsum("nk,nkd->nd", weights_Nxk.astype(dtype), y_NxkxD, precision=prec)
@@ -120,11 +146,7 @@ def _local_experts_swiglu(h_bxTxD, ids_bxTxk, weights_bxTxk, gate_exDxI, up_exDx
     group_sizes_e = jnp.bincount(flat_M, length=e).astype(jnp.int32)
     x_MxD = h_bxTxD.reshape(b * T, D).astype(dtype)[order_M // k]
     prec = matmul_precision(dtype)
-
-    def grouped(x, w):
-        return jax.lax.ragged_dot(x, w.astype(dtype), group_sizes_e, precision=prec)
-
-    y_MxD = grouped(jax.nn.silu(grouped(x_MxD, gate_exDxI)) * grouped(x_MxD, up_exDxI), down_exIxD)
+    y_MxD = _experts_swiglu(x_MxD, gate_exDxI, up_exDxI, down_exIxD, group_sizes_e, dtype)
     back_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0], dtype=order_M.dtype))
     y_NxkxD = jnp.where(mine_Nxk[..., None], y_MxD[back_M].reshape(b * T, k, D), 0)
     weights_Nxk = weights_bxTxk.reshape(b * T, k).astype(dtype)

@@ -18,7 +18,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jopd.models import transformer
+from jopd.models import moe, transformer
+from jopd.models.dtypes import DTYPES
 from jopd.models.config import ModelConfig
 from jopd import parallel as meshlib
 from jopd.sizing.report import StageReport
@@ -26,6 +27,7 @@ from jopd.sizing.stages import StepInputs, abstract, compile_stage, kv_cache, st
 from jopd.opd.batch import scoring_input
 from jopd.opd.resolve import teacher_compute_dtype
 from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_cost
+from jopd.sizing.moe_cost import expert_cost
 from jopd.sizing.roofline import CHIP_PEAKS, F32_PASSES, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.run.config import RunConfig
 from jopd.losses.compute import loss_chunk
@@ -132,7 +134,9 @@ class _Variants:
     def lowering(self, kind: str, layers: tuple[int, ...], chunk: int) -> Callable[[], Any]:
         def lower():
             flat, ins = self.at(layers, chunk)  # outside the mesh: building a step runs optax's init eagerly
-            with jax.set_mesh(flat.sampler_mesh if kind in ("prefill", "decode") else flat.mesh):
+            # the experts' grouped matmuls are counted analytically (`moe_parts`), not by XLA's cost analysis
+            with jax.set_mesh(flat.sampler_mesh if kind in ("prefill", "decode") else flat.mesh), \
+                    moe.grouped_matmuls_stand_in():
                 return self._lower(kind, flat, ins)
 
         return lower
@@ -258,7 +262,8 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
     from `reports`."""
     t0 = time.perf_counter()
     sampler = next((r.cost for r in reports if r.name == "sample" and r.cost is not None), None)
-    programs = cost_programs(step, ins, sampler=sampler is not None)
+    # the sampler program compiled for memory runs a MoE student's real grouped matmuls: not a cost program then
+    programs = cost_programs(step, ins, sampler=sampler is not None and not step.student_cfg.sparse_layers)
     options = _cost_options(step.mesh)
     wanted = [p for r in reports for p in programs.parts.get(r.name, ())]
     compiled: dict[str, tuple[Cost | None, float, str | None]] = {SAMPLER: (sampler, 0.0, None)}
@@ -277,7 +282,8 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
             new = [k for _, k in p.terms if k not in seen]
             seen.update(new)
             parts.append(_part(p, compiled, sum(compiled[k][1] for k in new)))
-        stages.append(StageCost(report.name, tuple(parts) + attention_parts(step, ins, report.name, num_devices)))
+        stages.append(StageCost(report.name, tuple(parts) + attention_parts(step, ins, report.name, num_devices)
+                                + moe_parts(step, ins, report.name, num_devices)))
     notes = _notes(step, stages, options)
     return Roofline(chip=chip, peak=CHIP_PEAKS[chip], num_devices=num_devices, devices_per_chip=per_chip,
                     stages=stages, rollout_tokens=step.rollout_rows * step.cfg.sampling.max_new_tokens,
@@ -316,6 +322,47 @@ def _part(program: CostProgram, compiled: dict[str, tuple[Cost | None, float, st
 def _passes(dtype) -> int:
     """bf16 MXU passes of one of this dtype's matmuls (`models.dtypes.matmul_precision`: fp32 at HIGHEST)."""
     return F32_PASSES["HIGHEST"] if jnp.dtype(dtype) == jnp.float32 else 1
+
+
+def _itemsize(name: str) -> int:
+    return jnp.dtype(DTYPES[name]).itemsize
+
+
+def _expert_group(mesh) -> int:
+    return dict(mesh.shape).get("expert", 1)
+
+
+def moe_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int) -> tuple[Part, ...]:
+    """The stage's experts' grouped matmuls (`sizing.moe_cost`; the cost programs ran them as an identity), per
+    device: one `experts[<model>]` part per mixture-of-experts model the stage runs, as often as its program."""
+    cfg = step.cfg
+    B, Pl, N = step.rollout_rows, cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+    T, s_cfg = Pl + N, step.student_cfg
+    runs = []  # (name, count, model, tokens per run, weight bytes, matmul dtype, train, expert group)
+    if stage == "sample" and s_cfg.sparse_layers:
+        dtype = step.sampler.precision.dtype
+        size, group = jnp.dtype(dtype).itemsize, _expert_group(step.sampler_mesh)
+        runs.append(("experts[student prefill]", 1, s_cfg, (B // step.prefill_group) * Pl, size, dtype, False, group))
+        steps = engine_of(ins.engine).decode_steps(np.full(B, N), ins.slots, step.sampler.shards)
+        runs.append(("experts[student decode]", steps, s_cfg, ins.slots, size, dtype, False, group))
+    elif stage == "teacher_scoring":
+        dtype, group = teacher_compute_dtype(cfg), _expert_group(step.mesh)
+        for t_cfg, src, rows in zip(step.teacher_cfgs, cfg.teacher_sources(), teacher_rows(step)):
+            if t_cfg.sparse_layers and rows:
+                runs.append((f"experts[{getattr(src, 'name', None) or 'teacher'}]", 1, t_cfg, rows * T,
+                             _itemsize(src.dtype), dtype, False, group))
+        if step.uses_reference and s_cfg.sparse_layers:
+            runs.append(("experts[reference]", 1, s_cfg, B * T, _itemsize(cfg.student.dtype), step.compute_dtype,
+                         False, group))
+    elif stage == "train_step" and s_cfg.sparse_layers:
+        runs.append(("experts[student]", cfg.rl.inner_updates, s_cfg, B * T, _itemsize(cfg.student.dtype),
+                     step.compute_dtype, True, _expert_group(step.mesh)))
+    out = []
+    for name, count, m_cfg, tokens, weight_bytes, dtype, train, group in runs:
+        c = expert_cost(m_cfg, tokens, num_devices=num_devices, expert_group=group, weight_bytes=weight_bytes,
+                        act_bytes=jnp.dtype(dtype).itemsize, train=train, remat=train and cfg.train.remat)
+        out.append(Part(name, count, Cost(c.flops, c.bytes, (_passes(dtype) - 1) * c.flops)))
+    return tuple(out)
 
 
 def attention_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int) -> tuple[Part, ...]:
