@@ -34,6 +34,17 @@ def rows_of(summaries: dict[str, dict]) -> list[dict]:
     threshold = math.sqrt(PRECISION_BRACKET[0] * PRECISION_BRACKET[1])
     rows = []
     for method, s in summaries.items():
+        if s.get("rule") == "broke":  # GRPO: the broke criterion on held-out accuracy (points), no rise
+            for st in sorted(s["setups"], key=lambda x: int(x["setup"][1:])):
+                runs = {r["seed"]: r for r in s["runs"] if r["setup"] == st["setup"]}
+                rows.append({"method": method, "k": int(st["setup"][1:]), "seeds": st["seeds"],
+                             "mismatch": st["mismatch"], "rule": "broke",
+                             "acc_diff_per_seed": [runs[k]["acc_diff"] for k in sorted(runs)],
+                             "acc_ci_per_seed": [[runs[k]["ci_low"], runs[k]["ci_high"]] for k in sorted(runs)],
+                             "verdict_per_seed": [runs[k]["verdict"] for k in sorted(runs)],
+                             "seed_aware_rise": None, "seed_aware_verdict": None,
+                             "screen": "admit" if st["mismatch"] < threshold else "reject", "screen_matches": None})
+            continue
         for st in sorted(s["setups"], key=lambda x: int(x["setup"][1:])):
             sa = st.get("seed_aware") or {}
             runs = {r["seed"]: r for r in s["runs"] if r["setup"] == st["setup"]}
@@ -41,6 +52,7 @@ def rows_of(summaries: dict[str, dict]) -> list[dict]:
             verdict = sa.get("verdict")
             rows.append({
                 "method": method, "k": int(st["setup"][1:]), "seeds": st["seeds"], "mismatch": st["mismatch"],
+                "rule": "quality",
                 "mismatch_per_seed": st["mismatch_per_seed"],
                 "rise_per_seed": [runs[k]["rise"] for k in sorted(runs)],
                 "verdict_per_seed": [runs[k]["verdict"] for k in sorted(runs)],
@@ -56,6 +68,13 @@ def table(rows: list[dict]) -> str:
     lines = ["| loss | k | mismatch in training (nats/token) | rise per seed (per-run verdict) | seed-aware rise [95% CI] "
              "| seed-aware | screen by the precision budget |", "|---|---:|---:|---|---:|---|---|"]
     for r in rows:
+        if r["rule"] == "broke":
+            per = " · ".join(f"{100 * d:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}] {v}" for d, (lo, hi), v in
+                             zip(r["acc_diff_per_seed"], r["acc_ci_per_seed"], r["verdict_per_seed"]))
+            lines.append(f"| {r['method']} | {r['k']} | {r['mismatch']:.3g} | accuracy vs k=0: {per} | — | "
+                         f"{'BROKE' if 'BROKE' in r['verdict_per_seed'] else 'OK'} (broke criterion) | "
+                         f"{r['screen']} |")
+            continue
         per = " · ".join(f"{x:+.0%}{' F' if v == 'FAIL' else ''}" for x, v in zip(r["rise_per_seed"],
                                                                              r["verdict_per_seed"]))
         sa = "—" if r["seed_aware_rise"] is None else \
@@ -74,7 +93,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method and r["seed_aware_rise"] is not None]
+        mine = [r for r in rows if r["method"] == method and r.get("seed_aware_rise") is not None]
         if not mine:
             continue
         xs = [r["mismatch"] for r in mine]
