@@ -23,7 +23,7 @@ from jopd.models.dtypes import DTYPES
 from jopd.models.config import ModelConfig
 from jopd import parallel as meshlib
 from jopd.sizing.report import StageReport
-from jopd.sizing.stages import StepInputs, abstract, compile_stage, kv_cache, step_inputs
+from jopd.sizing.stages import StepInputs, abstract, compile_stage, kv_cache, step_inputs, update_state
 from jopd.opd.batch import scoring_input
 from jopd.opd.resolve import teacher_compute_dtype
 from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_cost
@@ -148,7 +148,7 @@ class _Variants:
         if kind == "score":
             score = jax.jit(_unjitted(flat.score_fn), out_shardings=flat.shardings.batch)
             return score.lower(_unstacked(ins.teacher), scoring_input(ins.rollout), *_unstacked(ins.reference))
-        state = _unstacked(ins.state)
+        state = _unstacked(update_state(flat, ins.state))
         update = jax.jit(_unjitted(flat.update_fn), out_shardings=(_shardings_of(state), None), donate_argnums=0)
         return update.lower(state, ins.batch, *ins.head)
 

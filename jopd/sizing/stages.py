@@ -19,6 +19,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays, scoring_input, with_sampler_full_logprobs
 from jopd.opd.cross_teacher import cross_batch_shapes
+from jopd.opd.staleness import split_window
 from jopd.opd.step import OPDStep, build_step
 from jopd.run.config import RunConfig
 from jopd.sampling.config import RowRandomness
@@ -115,6 +116,12 @@ def step_inputs(step: OPDStep) -> StepInputs:
                       engine=engine, slots=slots)
 
 
+def update_state(step: OPDStep, state):
+    """What the train step takes: the state without its window of past params (`rollout.staleness`; the window
+    passes the update by, `opd.staleness.split_window`), else the state."""
+    return split_window(state)[0] if step.staleness else state
+
+
 def kv_cache(step: OPDStep, rows: int):
     """The sampler's abstract KV cache of `rows` rows at the full length (prompt + max_new_tokens)."""
     length = step.cfg.data.max_prompt_len + step.cfg.sampling.max_new_tokens
@@ -152,6 +159,8 @@ def programs_of(step: OPDStep, ins: StepInputs):
     # the rollout's part that is not the scoring's argument (the sampler's full log-softmax): alive meanwhile
     rollout_not_scored = buffers["rollout"] - bytes_per_device(scoring_input(ins.rollout).sample)
     program = step.sampler.program_for(ins.engine)
+    # the window of past params (`rollout.staleness`): held beside the update, not its argument
+    window = {"policy_window": bytes_per_device(split_window(state)[1])} if step.staleness else {}
     # `jopd train`'s loop: the sampler keeps its KV cache between steps; the sampler params and the rollout live
     # until the train step is dispatched; the train state is donated to (and replaced by) the train step.
     programs = {
@@ -164,6 +173,7 @@ def programs_of(step: OPDStep, ins: StepInputs):
                             held("train_state", "sampler_params", "kv_cache",
                                  *(("projection_table",) if step.crosses else ()))
                             | {"rollout": rollout_not_scored}),
-        "train_step": (lambda: step.update_fn.lower(state, ins.batch, *ins.head), held(*frozen, "kv_cache")),
+        "train_step": (lambda: step.update_fn.lower(update_state(step, state), ins.batch, *ins.head),
+                       held(*frozen, "kv_cache") | window),
     }
     return programs, buffers

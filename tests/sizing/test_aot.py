@@ -555,3 +555,16 @@ def test_a_teacher_with_another_tokenizer_among_several_holds_the_only_projectio
         report.models["smol"]["bytes_per_device"]
     (scoring,) = report.stages
     assert scoring.error is None and scoring.resident["projection_table"] == report.buffers["projection_table"]
+
+
+def test_staleness_window_is_held_beside_the_update_not_its_argument():
+    """`rollout.staleness: k`: the train step takes the state without its window (`split_window`); the window is
+    held beside it, so the step's peak grows by the window's bytes (k copies of the params) and nothing else."""
+    plain = aot.compile_opd_step(tiny_cfg(), stages=["train_step"], progress=False)
+    lagged = aot.compile_opd_step(tiny_cfg("rollout.staleness=2"), stages=["train_step"], progress=False)
+    (p,), (s,) = plain.stages, lagged.stages
+    from jopd.sizing.arch import model_config_of, param_count
+    params = param_count(model_config_of(tiny_cfg().student, "student")) * 4  # fp32
+    assert s.error is None and s.resident["policy_window"] == 2 * params
+    assert s.peak == p.peak + s.resident["policy_window"]
+    assert lagged.buffers["train_state"] == plain.buffers["train_state"] + s.resident["policy_window"]
