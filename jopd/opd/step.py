@@ -330,6 +330,10 @@ class OPDStep:
         return self.objective.reads_teacher_head
 
     def update(self, state: TrainState, batch: TrainBatch, teacher_params=None) -> tuple[TrainState, dict]:
+        if isinstance(state, (stale.LaggedTrainState, stale.LaggedRLTrainState)):  # the window passes the update by
+            core, window = stale.split_window(state)
+            core, metrics = self.update(core, batch, teacher_params)
+            return stale.with_policies(core, window), metrics
         if not self.uses_teacher_head:
             return self.update_fn(state, batch)
         if teacher_params is None:
