@@ -30,10 +30,8 @@ def disaggregated(cfg: RunConfig) -> bool:
 
 def check_placement(cfg: RunConfig, num_devices: int) -> None:
     """`rollout.placement` / `rollout.sampler_devices` against the devices: one-line errors naming the field."""
-    n = cfg.rollout.sampler_devices
+    n = cfg.rollout.sampler_devices  # without disaggregated a count is refused by `validate.check_run`
     if not disaggregated(cfg):
-        if n:
-            raise ValueError(f"rollout.sampler_devices={n}: only with rollout.placement=disaggregated")
         return
     if jax.process_count() > 1:
         raise ValueError("rollout.placement=disaggregated: one process only (a sampler in processes of its own is "

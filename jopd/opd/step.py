@@ -330,10 +330,14 @@ class OPDStep:
         return self.objective.reads_teacher_head
 
     def update(self, state: TrainState, batch: TrainBatch, teacher_params=None) -> tuple[TrainState, dict]:
-        if isinstance(state, (stale.LaggedTrainState, stale.LaggedRLTrainState)):  # the window passes the update by
+        if isinstance(state, (stale.LaggedTrainState, stale.LaggedRLTrainState)):
+            # the update takes the state without its window, so the window is no output of it: the next step's
+            # rollout (its oldest params) can run while this update does (`opd.placement`); it passes its key
+            # through unchanged but donates it, so the state keeps a copy made now (ready at once)
+            rng = jax.device_put(state.rng, state.rng.sharding, may_alias=False)
             core, window = stale.split_window(state)
             core, metrics = self.update(core, batch, teacher_params)
-            return stale.with_policies(core, window), metrics
+            return stale.with_policies(core.replace(rng=rng), window), metrics
         if not self.uses_teacher_head:
             return self.update_fn(state, batch)
         if teacher_params is None:
@@ -361,12 +365,6 @@ class OPDStep:
                 train_batch = stale.with_lagged_logprobs(train_batch, log_r)
             del policy  # the window's oldest copy: freed once the sampler (and r) are done, not held through the update
             state = stale.advance(state, self.copy_fn(state.params))  # before the update donates them
-            # the update takes the state without its window, so the window is no output of it: the next step's
-            # rollout (its oldest params) can run while this update does (`opd.placement`)
-            state, window = stale.split_window(state)
-            # the update passes its key through unchanged but donates it: the next rollout reads a copy made now
-            # (ready at once), not the update's output
-            rng = jax.device_put(state.rng, state.rng.sharding, may_alias=False)
         history = []
         for i in range(self.cfg.rl.inner_updates):
             if i:  # XLA:CPU can deadlock two queued programs' collectives (8 simulated devices): one at a time
@@ -379,7 +377,6 @@ class OPDStep:
             state = state.replace(reward_ema=jax.device_put(rollout.reward_ema, self.shardings.state.reward_ema))
         metrics = inner_update_metrics(history)
         if self.staleness:
-            state = stale.with_policies(state.replace(rng=rng), window)
             metrics = dict(metrics, rollout_lag=np.float32(step - version))
         return state, metrics, rollout
 

@@ -2,6 +2,8 @@
 by hand, not XLA's count of `ragged_dot` (every row of its operand, on CPU every expert's product), and the
 stage's FLOPs then match its model FLOPs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,14 +36,9 @@ def test_expert_cost_by_hand():
     assert one.touched == pytest.approx(2)  # one token touches its k experts
     train = expert_cost(cfg, 100, num_devices=4, expert_group=2, weight_bytes=4, act_bytes=2, train=True, remat=True)
     assert train.flops == 4 * c.flops
-    dense = dataclasses_replace_dense(cfg)
+    dense = dataclasses.replace(cfg, family="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                                mlp_only_layers=())
     assert expert_cost(dense, 100, num_devices=4, expert_group=1, weight_bytes=2, act_bytes=2).flops == 0
-
-
-def dataclasses_replace_dense(cfg):
-    import dataclasses
-    return dataclasses.replace(cfg, family="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
-                               mlp_only_layers=())
 
 
 def test_the_stand_in_removes_the_grouped_matmuls_from_xlas_count():
