@@ -1,6 +1,6 @@
 """Test setup: 8 simulated CPU devices and fast-compile XLA flags (tests/helpers/xla_test_flags.py), set before jax
-is imported anywhere; one persistent XLA compilation cache per test session, shared by the xdist workers and the
-subprocesses tests start (a program compiled once — the tiny testbed's stages, the CLI's runs — is not compiled
+is imported anywhere; one persistent XLA compilation cache and one jopd cache ($JOPD_CACHE) per test session, shared by the
+xdist workers and the subprocesses tests start (a program compiled once — the tiny testbed's stages, the CLI's runs — is not compiled
 again by the next test or process)."""
 
 import atexit
@@ -24,6 +24,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process
     _cache = tempfile.mkdtemp(prefix="jopd-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache  # workers and subprocesses inherit it
+    if "JOPD_CACHE" not in os.environ:  # jopd's own cache (converted GGUF tokenizers, models a test trains
+        _jopd = tempfile.mkdtemp(prefix="jopd-tests-cache-")  # without its own cache_dir): one per session, not ~
+        atexit.register(shutil.rmtree, _jopd, ignore_errors=True)
+        os.environ["JOPD_CACHE"] = _jopd
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jopd.models.config import ModelConfig
+from jopd.models import tokenizer_cache
 from jopd.models.gguf_io import GGUFSource, file_version
 from jopd.models.hf_io import SafetensorsSource, read_hf_config, save_hf
 from jopd.models.hf_layout import TensorView, hf_views, normalize_index
@@ -185,13 +186,14 @@ _GGUF_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
 
 def _gguf_tokenizer(p: Path):
     """Building a tokenizer from a GGUF file parses the whole file (6-10 s for SmolLM2 on 2 cores), and a run
-    asks for its teachers' tokenizers more than once: one build per file version per process, and a copy to
-    each caller (a caller may change its own, e.g. its padding side)."""
+    asks for its teachers' tokenizers more than once: one load per file version per process (converted once per
+    machine: `tokenizer_cache`), and a copy to each caller (a caller may change its own, e.g. its padding side)."""
     from transformers import AutoTokenizer
 
     key = file_version(p)
-    if key not in _GGUF_TOKENIZERS:
-        _GGUF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    if key not in _GGUF_TOKENIZERS:  # converted once per machine too (`tokenizer_cache`)
+        _GGUF_TOKENIZERS[key] = tokenizer_cache.load_or_build(
+            key, lambda: AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
     return copy.deepcopy(_GGUF_TOKENIZERS[key])
 
 

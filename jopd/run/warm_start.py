@@ -24,6 +24,7 @@ from jopd.data.pipeline import DataConfig, train_iterator
 from jopd.data import mixture
 from jopd.data.mixture import batch_rows, task_sources
 from jopd.models import io, transformer
+from jopd.models.tokenizer_cache import jopd_cache_dir
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd.optim import OptimConfig, make_optimizer
@@ -35,7 +36,7 @@ _FORMAT_VERSION = 1  # bump when the testbed recipe changes in a way the hash do
 
 
 def cache_root(cfg: RunConfig) -> Path:
-    return Path(cfg.train.cache_dir or os.environ.get("JOPD_CACHE") or Path.home() / ".cache" / "jopd")
+    return Path(cfg.train.cache_dir) if cfg.train.cache_dir else jopd_cache_dir()
 
 
 def run_sft(model_cfg: ModelConfig, params, data_cfg: DataConfig, tokenizer, warm: WarmStartConfig,

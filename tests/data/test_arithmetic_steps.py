@@ -139,15 +139,13 @@ def test_fraction_cuts():
 @pytest.mark.slow
 def test_smollm2_bpe_token_index():
     """SmolLM2's BPE: ' ####' is one token, so a missing step's first wrong character sits inside it."""
-    from transformers import AutoTokenizer
-
     from jopd.models import io
 
     try:
         gguf = io.smollm2_gguf_path()
     except (FileNotFoundError, ValueError) as e:
         pytest.skip(f"SmolLM2 GGUF not available: {e}")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok = io.load_tokenizer(gguf)  # transformers' conversion (tests/data/test_data_tasks.py), cached
     for name in ("arithmetic", "missing_step", "final_answer", "truncated_mid_step"):
         response, kind, _, _, char = CASES[name]
         _, ids = prompt_response_ids(tok, QUESTION, response)

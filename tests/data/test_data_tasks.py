@@ -84,6 +84,14 @@ def test_smollm2_tokenizer_same_code_path():
     prompt, response = prompt_response_ids(real, "What is 2+3?", "2+3=5. #### 5")
     assert real.decode(prompt).endswith("<|im_start|>assistant\n")
     assert real.decode(response) == "2+3=5. #### 5<|im_end|>"  # the template's trailing newline is dropped
+    # jopd's copy (converted once per machine, read back from $JOPD_CACHE's tokenizer.json) is transformers' own
+    from transformers import PreTrainedTokenizerFast
+    from jopd.models import tokenizer_cache
+    from tests.helpers.same_tokenizer import assert_same_tokenizer
+
+    assert_same_tokenizer(real, io.load_tokenizer(gguf))
+    assert_same_tokenizer(real, PreTrainedTokenizerFast.from_pretrained(
+        str(tokenizer_cache.entry_dir(io.file_version(gguf)))))
 
 
 # --- arithmetic ----------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 own GGUF loader (which dequantizes with the same `gguf` package): logits on a real chat prompt, the greedy
 continuation, bf16 compute, and the `jopd generate` command on the default model."""
 
+import functools
 import os
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +43,13 @@ def jopd_model(gguf_path):
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
     torch.set_num_threads(2)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32).eval()
+    # transformers' GGUF loader parses the file twice and rebuilds gguf's tensor-name map for every module (10 of
+    # its 15 s here): both are pure functions of their arguments, memoized for this load only
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +124,13 @@ def test_generate_command_on_default_model(monkeypatch, capsys, jopd_model, toke
 
 
 def test_the_gguf_tokenizer_and_reader_are_parsed_once_and_handed_out_as_copies(gguf_path, tokenizer):
-    """A process parses a GGUF file once (its tokenizer takes seconds to build): a second load is a copy equal to
-    transformers' own build, and a caller's change to its copy does not reach the next caller."""
+    """A process parses a GGUF file once (its tokenizer takes seconds to build): a second load is an equal copy, and
+    a caller's change to its copy does not reach the next caller. (That the tokenizer is transformers' own build:
+    tests/data/test_data_tasks.py.)"""
     again = io.load_tokenizer(gguf_path)
     assert again is not tokenizer
-    fresh = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                       gguf_file=os.path.basename(gguf_path))
-    assert again.get_vocab() == fresh.get_vocab() and again.chat_template == fresh.chat_template
-    assert again(PROMPT)["input_ids"] == fresh(PROMPT)["input_ids"]
+    assert again.get_vocab() == tokenizer.get_vocab() and again.chat_template == tokenizer.chat_template
+    assert again(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
     again.padding_side = "left" if tokenizer.padding_side == "right" else "right"
     assert io.load_tokenizer(gguf_path).padding_side == tokenizer.padding_side != again.padding_side
     assert GGUFSource(gguf_path).reader is GGUFSource(gguf_path).reader
