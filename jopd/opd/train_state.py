@@ -122,5 +122,11 @@ def inner_update_metrics(history: list[dict[str, jax.Array]]) -> dict[str, jax.A
     first update, the mean over the updates for the rest (loss, grad_norm, ratio_mean, clip_frac, ...)."""
     if len(history) == 1:
         return history[0]
-    out = {k: sum(m[k] for m in history) / len(history) for k in history[0]}
-    return out | {k: v for k, v in history[0].items() if k.startswith(_ROLLOUT_METRICS)}
+    return _mean_over_updates(history) | {k: v for k, v in history[0].items() if k.startswith(_ROLLOUT_METRICS)}
+
+
+@jax.jit
+def _mean_over_updates(history: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """One program for every metric's mean (eagerly, each metric's additions were programs of their own: ~80 ms of
+    dispatch per step on CPU)."""
+    return {k: sum(m[k] for m in history) / len(history) for k in history[0]}

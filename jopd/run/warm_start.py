@@ -101,10 +101,15 @@ def sft_model(role: str, src: ModelSource, cfg: RunConfig, tokenizer,
     model_cfg, params = initial()
     name = getattr(src, "name", "") or role
     params = run_sft(model_cfg, params, data, tokenizer, src.resolved_warm_start(), desc=f"SFT {name}", dtype=dtype)
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    tmp = model_dir.with_name(f"{model_dir.name}.tmp{os.getpid()}")  # this process's own: two runs may share a cache
     shutil.rmtree(tmp, ignore_errors=True)
     io.save_hf(jax.device_get(params), model_cfg, tmp, tokenizer=tokenizer)
-    os.replace(tmp, model_dir)  # atomic: a killed run never leaves a half-written cache entry
+    try:
+        os.replace(tmp, model_dir)  # atomic: a killed run never leaves a half-written cache entry
+    except OSError:
+        if not (model_dir / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another run cached this key first (the same recipe): keep its copy
     return model_cfg, params, f"{model_dir} (trained now)"
 
 

@@ -1,5 +1,6 @@
 """The smallest testbed run config the end-to-end tests train (seconds per run; models cached per test)."""
 
+import os
 from pathlib import Path
 
 import yaml
@@ -30,7 +31,11 @@ _CACHE: list[Path] = []
 
 def tiny_cache() -> Path:
     """One model cache for the whole test session: the tiny testbed models are trained once (by the first test
-    that needs them), not once per test. Removed at exit."""
+    that needs them), not once per test or per xdist worker: the session's $JOPD_CACHE (tests/conftest.py; two
+    workers training the same model at once each keep their own, `warm_start.sft_model`), else a temporary
+    directory removed at exit."""
+    if not _CACHE and os.environ.get("JOPD_CACHE"):
+        _CACHE.append(Path(os.environ["JOPD_CACHE"]) / "tiny-testbed")
     if not _CACHE:
         import atexit
         import shutil
