@@ -11,7 +11,8 @@ two-stage pipeline whose queue is one rollout deep, its staleness bounded by k. 
 k-lag mode's (row-seeded sampling does not depend on the layout: tests/opd/test_disaggregated.py).
 
 One process only: a sampler in processes of its own (rollouts through TensorStore, restart of a dead sampler)
-is not built."""
+is not built. `jopd aot` sizes and predicts the split on a TPU topology (`jopd.sizing`: the sampler's stages on
+its chips, the trainer's on the rest, the weight transfer timed on the ICI)."""
 
 from __future__ import annotations
 
@@ -53,16 +54,18 @@ def split_devices(cfg: RunConfig, devices: Sequence[jax.Device] | None = None
     return devices[n:], devices[:n]
 
 
-def sampler_devices(cfg: RunConfig, mesh) -> list[jax.Device] | None:
-    """The sampler's own devices for a step built on the trainer's `mesh` (None when colocated): the process's
-    devices the trainer's mesh leaves, which must be `rollout.sampler_devices` of them (`trainer_mesh`)."""
+def sampler_devices(cfg: RunConfig, mesh, devices: Sequence[jax.Device] | None = None) -> list[jax.Device] | None:
+    """The sampler's own devices for a step built on the trainer's `mesh` (None when colocated): those of `devices`
+    (default: the process's; `jopd aot`: a TPU topology's) the trainer's mesh leaves, which must be
+    `rollout.sampler_devices` of them (`trainer_mesh`)."""
     if not disaggregated(cfg):
         return None
+    devices = list(jax.devices() if devices is None else devices)
     own = set(mesh.devices.flat)
-    free = [d for d in jax.devices() if d not in own]
+    free = [d for d in devices if d not in own]
     if len(free) != cfg.rollout.sampler_devices:
         raise ValueError(f"rollout.sampler_devices={cfg.rollout.sampler_devices}: the trainer's mesh leaves "
-                         f"{len(free)} of the {len(jax.devices())} devices (build it with opd.placement.trainer_mesh)")
+                         f"{len(free)} of the {len(devices)} devices (build it with opd.placement.trainer_mesh)")
     return free
 
 

@@ -183,6 +183,13 @@ class OPDStep:
         return self.shardings.sampler_mesh
 
     @property
+    def devices(self) -> list:
+        """Every device the step runs on: the trainer mesh's, after the sampler's own when disaggregated (the order
+        `build_step`'s `devices` splits them in: `opd.placement`)."""
+        own = list(self.sampler_mesh.devices.flat) if placement.disaggregated(self.cfg) else []
+        return own + list(self.mesh.devices.flat)
+
+    @property
     def rollout_rows(self) -> int:
         """Rows of one step's global rollout batch."""
         return self.cfg.data.batch_size * self.rollouts_per_prompt
@@ -429,13 +436,15 @@ def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Arr
 
 
 def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
-               tokenizer=None, cross: tuple[CrossTeacher | None, ...] | None = None) -> OPDStep:
+               tokenizer=None, cross: tuple[CrossTeacher | None, ...] | None = None, devices=None) -> OPDStep:
     """The step of `cfg`: its loss config is `cfg.loss` resolved against the run (`resolve_loss_config`: masks
     from `tokenizer`, the sampler's temperature) — one config path, so a caller that wants another loss passes
     another `cfg`. `tokenizer` (the student's) also decodes responses for the RL kinds' rewards (None: no
     masks, no rewards). `t_cfgs`: the teachers' configs, one per teacher in `cfg.teacher_sources()` order.
     `cross` (a cross-tokenizer `loss.kind`; `model_sources.cross_teachers`): per teacher, its `CrossTeacher` when
     it has another tokenizer, None when it scores the student's tokens; None: no teacher has another tokenizer.
+    `devices`: every device of the run, the sampler's own among them (`rollout.placement=disaggregated`; default:
+    the process's, `jopd aot`: a topology's).
     The config's own checks ran when it was built (`validate.check_run`); here only the arguments are checked."""
     loss_cfg = resolve_loss_config(cfg, tokenizer)
     objective = OBJECTIVES[loss_cfg.kind]
@@ -447,7 +456,7 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     # the schedule's horizon in optimizer updates: inner_updates of them per step
     optimizer = make_optimizer(cfg.optim, cfg.train.steps * cfg.rl.inner_updates)
     running = rewards.uses_running_baseline(objective, cfg.rl)
-    sh = step_shardings(cfg, s_cfg, t_cfgs, mesh, optimizer, running, placement.sampler_devices(cfg, mesh))
+    sh = step_shardings(cfg, s_cfg, t_cfgs, mesh, optimizer, running, placement.sampler_devices(cfg, mesh, devices))
     batch = sh.batch
 
     # the union support takes the student's top-K ids from the sampler, where its logits already exist

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from jopd import parallel as meshlib
 from jopd.config_dataclass import ConfigError, build
-from jopd.opd import validate
+from jopd.opd import placement, validate
 from jopd.opd.resolve import rollouts_per_prompt
 from jopd.opd.step import build_step
 from jopd.run.config import RunConfig
@@ -39,6 +39,7 @@ from jopd.sizing.stages import (
     bytes_per_device,
     compile_stage,
     programs_of,
+    sampler_side,
     step_inputs,
 )
 from jopd.sizing.topology import (
@@ -70,13 +71,14 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     cross = sizing_crosses(cfg, s_tok, t_toks, s_cfg, t_cfgs) if crossed else (None,) * len(roles)
     # the vocabularies and the contexts, as `jopd train` checks them
     validate.check_models(cfg, s_cfg, t_cfgs, validate.own_tokenizers(cross, len(roles)))
-    if cfg.rollout.placement != "colocated":
-        raise ValueError(f"rollout.placement={cfg.rollout.placement}: jopd aot sizes the colocated step only (a "
-                         f"disaggregated split's sizing is not built)")
-    mesh = meshlib.make_mesh(cfg.mesh, devices)
-    step = build_step(cfg, s_cfg, t_cfgs, mesh, cross=cross)
+    # disaggregated (`opd.placement`): the trainer's mesh over the devices the sampler's first ones leave
+    trainer_devices, own_devices = placement.split_devices(cfg, devices)
+    mesh = meshlib.make_mesh(cfg.mesh, trainer_devices)
+    step = build_step(cfg, s_cfg, t_cfgs, mesh, cross=cross, devices=devices)
     inputs = step_inputs(step)
     programs, buffers = programs_of(step, inputs)
+    on_sampler = sampler_side(step)
+    count = {name: len(own_devices) if name in on_sampler else len(trainer_devices) for name in STAGES}
 
     reports = []
     bar = tqdm([s for s in STAGES if s in stages], desc=f"AOT compile ({target})", disable=not progress,
@@ -86,11 +88,11 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         lower, resident = programs[name]
         kept = []  # the lowered program: its StableHLO gives the fp32 matmuls' MXU passes (`Cost.of`)
         # activations' batch constraints (transformer.constrain_batch) need the mesh: the sampler's for its program
-        with jax.set_mesh(step.sampler_mesh if name == "sample" else mesh):
+        with jax.set_mesh(step.sampler_mesh if name == "sample" or name in on_sampler else mesh):
             compiled, secs, error = compile_stage(name, lambda lower=lower: kept.append(lower()) or kept[-1])
         text = kept[-1].as_text() if kept and compiled is not None and chip is not None else None
         reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
-                                   error, None if compiled is None else Cost.of(compiled, text, len(devices))))
+                                   error, None if compiled is None else Cost.of(compiled, text, count[name])))
 
     models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
@@ -120,7 +122,8 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      hbm_per_device=hbm_bytes if hbm_bytes is not None else hbm_bytes_per_device(devices),
                      mesh=dict(mesh.shape), models=models, shapes=shapes, buffers=buffers, stages=reports,
                      roofline=roofline,
-                     sampler_mesh=dict(step.sampler_mesh.shape) if step.shardings.own_sampler_layout else None)
+                     sampler_mesh=dict(step.sampler_mesh.shape) if step.shardings.own_sampler_layout else None,
+                     sampler_devices=len(own_devices) if on_sampler else 0)
 
 
 # -- the sampler's layout: one report per candidate mesh (`sampling.mesh`) -------------------------------------

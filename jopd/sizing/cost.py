@@ -23,7 +23,8 @@ from jopd.models.dtypes import DTYPES
 from jopd.models.config import ModelConfig
 from jopd import parallel as meshlib
 from jopd.sizing.report import StageReport
-from jopd.sizing.stages import StepInputs, abstract, compile_stage, kv_cache, step_inputs, update_state
+from jopd.sizing.stages import (StepInputs, abstract, bytes_per_device, compile_stage, kv_cache, sampler_side,
+                                step_inputs, sync_inputs, update_state)
 from jopd.opd.batch import scoring_input
 from jopd.opd.resolve import teacher_compute_dtype
 from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_cost
@@ -124,7 +125,8 @@ class _Variants:
         if (layers, chunk) not in self._built:
             step = self.step
             s_cfg, *t_cfgs = (dataclasses.replace(m, num_layers=n) for m, n in zip(self.models, layers))
-            flat = build_step(_cost_config(step.cfg, chunk), s_cfg, tuple(t_cfgs), step.mesh, cross=step.cross)
+            flat = build_step(_cost_config(step.cfg, chunk), s_cfg, tuple(t_cfgs), step.mesh, cross=step.cross,
+                              devices=step.devices)
             self._built[layers, chunk] = flat, step_inputs(flat)
         return self._built[layers, chunk]
 
@@ -268,26 +270,51 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
     wanted = [p for r in reports for p in programs.parts.get(r.name, ())]
     compiled: dict[str, tuple[Cost | None, float, str | None]] = {SAMPLER: (sampler, 0.0, None)}
     keys = [k for k in dict.fromkeys(k for p in wanted for _, k in p.terms) if k not in compiled]
+    on_sampler = sampler_side(step)  # disaggregated: the rollout's programs run on the sampler's own devices
+    own, trainer = len(step.sampler_mesh.devices.flat), len(step.mesh.devices.flat)
     bar = tqdm(keys, desc="cost programs", disable=not progress, dynamic_ncols=True, leave=False)
     for k in bar:
         bar.set_postfix_str(k)
-        compiled[k] = _compile_cost(step.mesh, programs.lower[k], num_devices, options)
+        rollout_program = k.split(" ", 1)[0] in ("prefill", "decode")
+        compiled[k] = _compile_cost(step.mesh, programs.lower[k], own if on_sampler and rollout_program else trainer,
+                                    options)
     stages, seen = [], set()
     for report in reports:
         if report.name not in programs.parts:
-            stages.append(StageCost(report.name, (Part(report.name, 1, report.cost, 0.0, report.error),)))
+            stages.append(StageCost(report.name, (Part(report.name, 1, report.cost, 0.0, report.error),)
+                                    + transfer_parts(step, ins, report.name)))
             continue
         parts = []
         for p in programs.parts[report.name]:
             new = [k for _, k in p.terms if k not in seen]
             seen.update(new)
             parts.append(_part(p, compiled, sum(compiled[k][1] for k in new)))
-        stages.append(StageCost(report.name, tuple(parts) + attention_parts(step, ins, report.name, num_devices)
-                                + moe_parts(step, ins, report.name, num_devices)))
+        n = own if report.name in on_sampler else trainer
+        stages.append(StageCost(report.name, tuple(parts) + attention_parts(step, ins, report.name, n)
+                                + moe_parts(step, ins, report.name, n) + transfer_parts(step, ins, report.name)))
     notes = _notes(step, stages, options)
     return Roofline(chip=chip, peak=CHIP_PEAKS[chip], num_devices=num_devices, devices_per_chip=per_chip,
                     stages=stages, rollout_tokens=step.rollout_rows * step.cfg.sampling.max_new_tokens,
-                    model_flops=step_model_flops(step), compile_s=time.perf_counter() - t0, notes=notes)
+                    model_flops=step_model_flops(step), compile_s=time.perf_counter() - t0, notes=notes,
+                    sampler_stages=on_sampler, sampler_devices=own if on_sampler else 0,
+                    sides_overlap=bool(on_sampler) and step.staleness > 0)
+
+
+def transfer_parts(step: OPDStep, ins: StepInputs, stage: str) -> tuple[Part, ...]:
+    """Disaggregated (`opd.placement`), what crosses between the two device sets, as ICI traffic of the sampler's
+    devices: the policy's fp32 params into the sampler's layout before the weight sync (each sampler device
+    receives its shard: `jax.device_put` in `OPDStep.rollout`), and the rollout back to the trainer's batch layout
+    after sampling (the whole rollout, split over the sampler's devices). Each is timed as one ring step of a
+    device's ICI (`Cost.ici_seconds`): a point-to-point copy at the rate a device sends along one torus axis, an
+    assumption (the copy's route between the two sets is the runtime's)."""
+    if stage not in sampler_side(step):
+        return ()
+    if stage == "weight_sync":
+        policy, _ = sync_inputs(step, ins.state.params, ins.key)
+        return (Part("weight transfer", 1, Cost(0.0, 0.0, ici_bytes=float(bytes_per_device(policy)), ici_steps=1.0)),)
+    rollout = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(ins.rollout.sample))
+    sent = rollout / len(step.sampler_mesh.devices.flat)
+    return (Part("rollout back", 1, Cost(0.0, 0.0, ici_bytes=float(sent), ici_steps=1.0)),)
 
 
 # XLA's TPU compiler turns an FSDP all-gather (reduce-scatter) and its matmul into a loop over the shards (a
@@ -464,7 +491,12 @@ def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
         notes.append("+passes: fp32 matmuls at Precision.HIGHEST run 6 bf16 MXU passes (HIGH: 3); XLA counts one")
     if step.sampler.engine(step.rollout_rows, step.prefill_group)[0]:
         notes.append("sample: the slot engine's refills (prompt KV copied into a slot) are not counted")
-    if step.shardings.own_sampler_layout:
+    if sampler_side(step):
+        notes.append("disaggregated: the weight transfer and the rollout's copy back each timed as one ring step of "
+                     "the sender's ICI (a point-to-point copy between the two device sets, an assumption); with "
+                     "rollout.staleness >= 1 the sampler side (next rollout) runs while the trainer side does, "
+                     "so a step takes the longer side (a one-rollout-deep queue; dispatch and host work not modeled)")
+    elif step.shardings.own_sampler_layout:
         notes.append("sample: the rollouts' copy from the sampler's mesh (sampling.mesh) to the trainer's batch layout "
                      "(a jax.device_put after the sampler) is not counted; the weight sync's reshard is")
     if cfg.optim.grad_accum_steps > 1:

@@ -69,6 +69,7 @@ class AotReport:
     stages: list[StageReport]
     roofline: Roofline | None = None  # the predicted time (compile_opd_step(cost=True))
     sampler_mesh: dict[str, int] | None = None  # the sampler's mesh (`sampling.mesh`; None: the trainer's)
+    sampler_devices: int = 0  # disaggregated (`opd.placement`): the first ones are the sampler's own; 0: colocated
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -103,6 +104,10 @@ class AotReport:
         lines = [f"target {self.target}: {self.num_devices} x {self.device_kind} ({hbm}{chips}), mesh {mesh}"]
         if self.sampler_mesh is not None:
             lines[0] += ", sampler mesh " + " ".join(f"{k}={v}" for k, v in self.sampler_mesh.items())
+        if self.sampler_devices:
+            lines.append(f"disaggregated: the sampler (weight_sync, sample) on devices 0..{self.sampler_devices - 1}, "
+                         f"the trainer (mesh above) on {self.sampler_devices}..{self.num_devices - 1}; each stage's "
+                         f"memory is per device of its own side")
         for role, m in self.models.items():
             placed = f", {m['placement']} ({num(m['bytes_per_device'])} {unit} per device)" if "placement" in m else ""
             lines.append(f"{role}: {m['family']} {m['params'] / 1e9:.3f}B params, {m['dtype']}, {m['source']}{placed}")

@@ -268,10 +268,35 @@ class Roofline:
     model_flops: dict[str, float]  # global, per stage (`model_flops`)
     compile_s: float
     notes: list[str] = dataclasses.field(default_factory=list)
+    # disaggregated (`opd.placement`): the stages on the sampler's own `sampler_devices` (the others on the rest of
+    # the `num_devices`), and whether the two sides run at once (`rollout.staleness` >= 1: the next rollout beside
+    # the update, so a step takes the longer side; 0: one after the other)
+    sampler_stages: tuple[str, ...] = ()
+    sampler_devices: int = 0
+    sides_overlap: bool = False
 
     @property
     def chips(self) -> int:
         return max(1, self.num_devices // self.devices_per_chip)
+
+    @property
+    def sampler_chips(self) -> int:
+        """The chips that sample: the sampler's own (disaggregated), else all of them."""
+        return max(1, self.sampler_devices // self.devices_per_chip) if self.sampler_stages else self.chips
+
+    def side_seconds(self, overlapped: bool = False) -> tuple[float, float] | None:
+        """(sampler side s, trainer side s) of a disaggregated step (None when a stage failed)."""
+        times = {s.name: self.stage_seconds(s.name, overlapped) for s in self.stages}
+        if any(t is None for t in times.values()):
+            return None
+        return (sum(t for n, t in times.items() if n in self.sampler_stages),
+                sum(t for n, t in times.items() if n not in self.sampler_stages))
+
+    def _step(self, overlapped: bool) -> float | None:
+        sides = self.side_seconds(overlapped)
+        if sides is None:
+            return None
+        return max(sides) if self.sampler_stages and self.sides_overlap else sum(sides)
 
     def stage_seconds(self, name: str, overlapped: bool = False) -> float | None:
         """The stage's predicted time: collectives not overlapped, or (`overlapped`) hidden under compute/HBM."""
@@ -284,18 +309,24 @@ class Roofline:
 
     @property
     def step_s(self) -> float | None:
-        times = [self.stage_seconds(s.name) for s in self.stages]
-        return None if any(t is None for t in times) else sum(times)
+        """The stages in sequence; disaggregated with overlapping sides, the longer side."""
+        return self._step(overlapped=False)
 
     @property
     def step_overlapped_s(self) -> float | None:
-        times = [self.stage_seconds(s.name, overlapped=True) for s in self.stages]
-        return None if any(t is None for t in times) else sum(times)
+        return self._step(overlapped=True)
 
     @property
     def rollout_tokens_per_s_per_chip(self) -> float | None:
+        """While sampling, per chip that samples."""
         t = self.stage_seconds("sample")
-        return None if not t else self.rollout_tokens / (t * self.chips)
+        return None if not t else self.rollout_tokens / (t * self.sampler_chips)
+
+    @property
+    def step_tokens_per_s_per_chip(self) -> float | None:
+        """Rollout tokens per second of step per chip of the slice: what colocated and disaggregated compare on."""
+        step = self.step_s
+        return None if not step else self.rollout_tokens / (step * self.chips)
 
     @property
     def mfu(self) -> float | None:
@@ -325,7 +356,11 @@ class Roofline:
                 "chips": self.chips, "devices_per_chip": self.devices_per_chip, "per_device": True,
                 "stages": stages, "step_s": self.step_s, "step_overlapped_s": self.step_overlapped_s,
                 "rollout_tokens": self.rollout_tokens,
-                "rollout_tokens_per_s_per_chip": self.rollout_tokens_per_s_per_chip, "mfu": self.mfu,
+                "rollout_tokens_per_s_per_chip": self.rollout_tokens_per_s_per_chip,
+                "step_tokens_per_s_per_chip": self.step_tokens_per_s_per_chip, "mfu": self.mfu,
+                "sampler_stages": list(self.sampler_stages), "sampler_devices": self.sampler_devices,
+                "sides_overlap": self.sides_overlap,
+                "side_seconds": self.side_seconds() if self.sampler_stages else None,
                 "compile_s": round(self.compile_s, 2), "notes": self.notes}
 
     def table(self) -> str:
@@ -356,13 +391,25 @@ class Roofline:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        mfu, tok_s = self.mfu, self.rollout_tokens_per_s_per_chip
+        mfu, tok_s, step_tok_s = self.mfu, self.rollout_tokens_per_s_per_chip, self.step_tokens_per_s_per_chip
         overlapped = self.step_overlapped_s
-        return (f"predicted step {'-' if self.step_s is None else _num(self.step_s)} s (the stages in sequence, "
+        order = "the stages in sequence"
+        if self.sampler_stages:
+            sides = self.side_seconds()
+            trainer = self.num_devices - self.sampler_devices
+            order = (f"disaggregated: sampler side ({', '.join(self.sampler_stages)}) "
+                     f"{'-' if sides is None else _num(sides[0])} s on {self.sampler_devices} devices, trainer side "
+                     f"{'-' if sides is None else _num(sides[1])} s on {trainer}; "
+                     + ("the two at once (rollout.staleness >= 1): the longer side" if self.sides_overlap else
+                        "one after the other (rollout.staleness = 0)"))
+        per = "sampler chip" if self.sampler_stages else "chip"
+        return (f"predicted step {'-' if self.step_s is None else _num(self.step_s)} s ({order}; "
                 f"collectives not overlapped; {'-' if overlapped is None else _num(overlapped)} s with each hidden "
                 f"under its program's compute/HBM time); "
-                f"rollout {'-' if tok_s is None else f'{tok_s:.0f}'} tok/s per chip ({self.rollout_tokens} tokens: "
-                f"every row to max_new_tokens); MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} (model FLOPs: 2 x "
+                f"rollout {'-' if tok_s is None else f'{tok_s:.0f}'} tok/s per {per} while sampling, "
+                f"{'-' if step_tok_s is None else f'{step_tok_s:.0f}'} per chip of the slice over the step "
+                f"({self.rollout_tokens} tokens: every row to max_new_tokens); MFU "
+                f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} (model FLOPs: 2 x "
                 f"params x tokens for rollout and scoring, 6 x for the update, plus the attention's causal pairs)")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jopd import parallel as meshlib
 from jopd.losses.chunked import head_params
@@ -84,7 +85,7 @@ def step_inputs(step: OPDStep) -> StepInputs:
 
     state, teacher = step.abstract_state(), step.abstract_teacher()
     key = jax.ShapeDtypeStruct((), state.rng.dtype, sharding=sh.state.rng)
-    sampler_params = abstract(jax.eval_shape(step.sync_fn, state.params, key), sh.sampler_params)
+    sampler_params = abstract(jax.eval_shape(step.sync_fn, *sync_inputs(step, state.params, key)), sh.sampler_params)
     cache = kv_cache(step, slots)
 
     sds = jax.ShapeDtypeStruct
@@ -114,6 +115,16 @@ def step_inputs(step: OPDStep) -> StepInputs:
     return StepInputs(state=state, teacher=teacher, key=key, sampler_params=sampler_params, cache=cache,
                       unique=unique, rand=rand, rollout=rollout, reference=reference, batch=batch, head=head,
                       engine=engine, slots=slots)
+
+
+def sync_inputs(step: OPDStep, params, key) -> tuple:
+    """What the weight sync's program takes: the policy and the key in the trainer's layout, or disaggregated
+    (`opd.placement`) as the weight transfer leaves them on the sampler's devices (`OPDStep.rollout`)."""
+    own = step.shardings.sampler_student
+    if own is None:
+        return params, key
+    on_sampler = NamedSharding(step.sampler_mesh, PartitionSpec())
+    return abstract(params, own), jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=on_sampler)
 
 
 def update_state(step: OPDStep, state):
@@ -161,10 +172,13 @@ def programs_of(step: OPDStep, ins: StepInputs):
     program = step.sampler.program_for(ins.engine)
     # the window of past params (`rollout.staleness`): held beside the update, not its argument
     window = {"policy_window": bytes_per_device(split_window(state)[1])} if step.staleness else {}
+    sync_in = sync_inputs(step, state.params, ins.key)
+    if step.shardings.sampler_student is not None:  # the transferred policy, per sampler device (fp32, stacked)
+        buffers["weight_transfer"] = bytes_per_device(sync_in[0])
     # `jopd train`'s loop: the sampler keeps its KV cache between steps; the sampler params and the rollout live
     # until the train step is dispatched; the train state is donated to (and replaced by) the train step.
     programs = {
-        "weight_sync": (lambda: step.sync_fn.lower(state.params, ins.key),
+        "weight_sync": (lambda: step.sync_fn.lower(*sync_in),
                         {"opt_state": buffers["train_state"] - bytes_per_device(state.params)}
                         | held(*frozen, "kv_cache")),
         "sample": (lambda: program.lower(ins.sampler_params, *ins.unique, ins.rand, ins.cache),
@@ -176,4 +190,17 @@ def programs_of(step: OPDStep, ins: StepInputs):
         "train_step": (lambda: step.update_fn.lower(update_state(step, state), ins.batch, *ins.head),
                        held(*frozen, "kv_cache") | window),
     }
+    if step.shardings.sampler_student is not None:
+        # disaggregated: the sampler's devices hold its params and KV cache only, the trainer's everything else
+        programs["weight_sync"] = (programs["weight_sync"][0], held("kv_cache"))
+        programs["sample"] = (programs["sample"][0], {})
+        programs["teacher_scoring"] = (programs["teacher_scoring"][0],
+                                       held("train_state", *(("projection_table",) if step.crosses else ()))
+                                       | {"rollout": rollout_not_scored})
+        programs["train_step"] = (programs["train_step"][0], held(*frozen) | window)
     return programs, buffers
+
+
+def sampler_side(step: OPDStep) -> tuple[str, ...]:
+    """The stages that run on the sampler's own devices (disaggregated, `opd.placement`); () when colocated."""
+    return ("weight_sync", "sample") if step.shardings.sampler_student is not None else ()
