@@ -16,6 +16,12 @@ tokens/s per chip and MFU. The cost programs (the looped stages' layers unrolled
 one-layer programs for the loss chunks) take about as long again as the stages themselves: --no-cost skips them,
 --stages compiles and costs only the stages named.
 
+With rollout.placement=disaggregated (and rollout.sampler_devices=N) it sizes the split: the weight sync and the
+sampler on the first N devices of the topology, scoring and the update on the rest, each stage's memory per device
+of its own side; with --topology the roofline adds the weight transfer and the rollout's copy back (ICI) and
+predicts the step as the longer side when rollout.staleness >= 1 (the next rollout runs beside the update), the
+sum at 0. Run it beside the colocated config to compare (step tokens/s per chip of the slice).
+
 With --sampler-layouts "data=-1 ; data=-1,tensor=4" it compares where the sampler runs (`sampling.mesh`, a mesh over
 the same devices; `trainer` is the trainer's own mesh): for each candidate it compiles the weight sync (the trainer's
 layout resharded into the candidate's) and the sampler's program (and, with --topology, their cost programs: one
