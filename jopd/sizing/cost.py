@@ -79,13 +79,16 @@ def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Prog
     N = cfg.sampling.max_new_tokens
     c = min(cfg.loss.chunk_size, N)
     c2 = c // 2 if c > 1 else 2
-    updates = cfg.rl.inner_updates
+    # gradient accumulation: the update costed as one micro-batch, run grad_accum_steps times (`micro_batches`)
+    micro = micro_batches(step)
+    updates = cfg.rl.inner_updates * micro
     lower: dict[str, Callable[[], Any]] = {}
 
     def key(kind: str, layers: tuple[int, ...], chunk: int) -> str:
-        k = f"{kind} layers={','.join(map(str, layers))} chunk={chunk}"
+        split = micro if kind == "update" else 1
+        k = f"{kind} layers={','.join(map(str, layers))} chunk={chunk}" + (f" micro=1/{split}" if split > 1 else "")
         if k not in lower:
-            lower[k] = variants.lowering(kind, layers, chunk)
+            lower[k] = variants.lowering(kind, layers, chunk, split)
         return k
 
     full, one, chunk = variants.layers, (1,) * len(variants.layers), cfg.loss.chunk_size
@@ -121,21 +124,21 @@ class _Variants:
         self.layers = tuple(m.num_layers for m in self.models)
         self._built: dict[tuple, tuple[OPDStep, StepInputs]] = {}
 
-    def at(self, layers: tuple[int, ...], chunk: int) -> tuple[OPDStep, StepInputs]:
-        if (layers, chunk) not in self._built:
+    def at(self, layers: tuple[int, ...], chunk: int, split: int = 1) -> tuple[OPDStep, StepInputs]:
+        if (layers, chunk, split) not in self._built:
             step = self.step
             s_cfg, *t_cfgs = (dataclasses.replace(m, num_layers=n) for m, n in zip(self.models, layers))
-            flat = build_step(_cost_config(step.cfg, chunk), s_cfg, tuple(t_cfgs), step.mesh, cross=step.cross,
-                              devices=step.devices)
-            self._built[layers, chunk] = flat, step_inputs(flat)
-        return self._built[layers, chunk]
+            flat = build_step(_cost_config(step.cfg, chunk, split), s_cfg, tuple(t_cfgs), step.mesh,
+                              cross=step.cross, devices=step.devices)
+            self._built[layers, chunk, split] = flat, step_inputs(flat)
+        return self._built[layers, chunk, split]
 
     def rollout_counts(self, ins: StepInputs) -> dict[str, int]:
         return {name: count for name, (count, _) in _rollout_programs(self.step, ins).items()}
 
-    def lowering(self, kind: str, layers: tuple[int, ...], chunk: int) -> Callable[[], Any]:
+    def lowering(self, kind: str, layers: tuple[int, ...], chunk: int, split: int = 1) -> Callable[[], Any]:
         def lower():
-            flat, ins = self.at(layers, chunk)  # outside the mesh: building a step runs optax's init eagerly
+            flat, ins = self.at(layers, chunk, split)  # outside the mesh: building a step runs optax's init eagerly
             # the experts' grouped matmuls are counted analytically (`moe_parts`), not by XLA's cost analysis
             with jax.set_mesh(flat.sampler_mesh if kind in ("prefill", "decode") else flat.mesh), \
                     moe.grouped_matmuls_stand_in():
@@ -155,10 +158,23 @@ class _Variants:
         return update.lower(state, ins.batch, *ins.head)
 
 
-def _cost_config(cfg: RunConfig, chunk_size: int) -> RunConfig:
-    # one optimizer batch: the cost programs hold no gradient-accumulation loop
+def _cost_config(cfg: RunConfig, chunk_size: int, split: int = 1) -> RunConfig:
+    # no gradient-accumulation loop in a cost program: the whole batch, or (`split`) one micro-batch of it
     return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, chunk_size=chunk_size),
-                               optim=dataclasses.replace(cfg.optim, grad_accum_steps=1))
+                               optim=dataclasses.replace(cfg.optim, grad_accum_steps=1),
+                               data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size // split))
+
+
+def micro_batches(step: OPDStep) -> int:
+    """How many programs of one micro-batch the update's cost is (`optim.grad_accum_steps`): the update splits its
+    rows into that many micro-batches, each a forward and backward over its rows (the cost of the whole batch in
+    one program would need every micro-batch's activations at once, which may not fit a chip). 1 when the prompts
+    do not split evenly (then the whole batch is one program, its weights read once: noted)."""
+    accum = step.cfg.optim.grad_accum_steps
+    prompts = step.cfg.data.batch_size
+    if accum <= 1 or prompts % accum or (step.rollout_rows // accum) % step.batch_shards:
+        return 1
+    return accum
 
 
 def _unjitted(fn):
@@ -499,7 +515,11 @@ def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
     elif step.shardings.own_sampler_layout:
         notes.append("sample: the rollouts' copy from the sampler's mesh (sampling.mesh) to the trainer's batch layout "
                      "(a jax.device_put after the sampler) is not counted; the weight sync's reshard is")
-    if cfg.optim.grad_accum_steps > 1:
+    if micro_batches(step) > 1:
+        notes.append(f"train_step: costed as {micro_batches(step)} micro-batches (optim.grad_accum_steps), each a "
+                     f"program of its rows with the optimizer's update (counted {micro_batches(step)} times where "
+                     f"the step applies it once: its state's reads and writes are over-counted)")
+    elif cfg.optim.grad_accum_steps > 1:
         notes.append(f"train_step: costed as one batch; the weights' reads per micro-batch "
                      f"(optim.grad_accum_steps={cfg.optim.grad_accum_steps}) are counted once")
     return notes + loop_notes(stages)
