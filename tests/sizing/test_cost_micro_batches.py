@@ -5,7 +5,9 @@ activations at once and may not fit a chip where the real step does)."""
 import pytest
 
 from jopd.run.config import load_config
-from jopd.sizing import aot
+from jopd.opd.step import build_step
+from jopd.parallel import mesh as meshlib
+from jopd.sizing import aot, arch, cost
 
 TINY = ["data.batch_size=64", "data.max_prompt_len=16", "sampling.max_new_tokens=8", "loss.top_k=8",
         "student.arch.num_layers=1", "teacher.arch.num_layers=1", "mesh.data=8", "loss.chunk_size=4"]
@@ -29,6 +31,14 @@ def test_accumulated_update_is_costed_as_its_micro_batches():
     total = lambda parts: sum(p.count * p.cost.flops for p in parts.values() if p.cost)  # noqa: E731
     assert total(micro) == pytest.approx(total(whole), rel=0.05)
     assert any("costed as 2 micro-batches" in n for n in notes)
-    # micro-batches that do not split over the batch shards: the whole batch in one program, and said so
-    odd, notes = _update("data.batch_size=8", "optim.grad_accum_steps=2")  # 4 rows: not over 8 shards
-    assert odd["update"].count == 1 and any("costed as one batch" in n for n in notes)
+
+def test_micro_batches_that_do_not_split_over_the_shards_are_costed_as_one_batch():
+    def split(*over):
+        cfg = load_config(None, [*TINY, *over])
+        s_cfg, t_cfg = (arch.model_config_of(src, role) for src, role in ((cfg.student, "student"),
+                                                                          (cfg.teacher, "teacher")))
+        return cost.micro_batches(build_step(cfg, s_cfg, (t_cfg,), meshlib.make_mesh(cfg.mesh)))
+
+    assert split("optim.grad_accum_steps=4") == 4 and split() == 1
+    assert split("data.batch_size=8", "optim.grad_accum_steps=2") == 1  # 4 rows per micro-batch, 8 batch shards
+    assert split("data.batch_size=12", "sampling.samples_per_prompt=2", "optim.grad_accum_steps=8") == 1  # 12 % 8
