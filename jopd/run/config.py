@@ -184,6 +184,9 @@ class TrainConfig:
     # rounding, the fewest columns, a compile for every new row count
     pack_granularity: int | None = pydantic.Field(None, ge=1)
     guard: GuardConfig = GuardConfig()  # what stops a run that goes non-finite or degenerates (`opd.guards`)
+    # How long the loop waits for a step's rollout and update before it stops with an error naming the side that
+    # has not finished (`run.stall`); None: as long as it takes
+    stall_timeout_s: float | None = pydantic.Field(None, gt=0)
 
 
 @config_dataclass

@@ -23,6 +23,7 @@ from jopd.data.toy_tokenizer import special_token_ids
 from jopd.losses.compute import per_task_means
 from jopd.run.checkpoint import Checkpointer, PreemptionGuard
 from jopd.run.evaluate import compare_table, evaluate_heldout
+from jopd.run import stall
 from jopd.run.guards import RunGuard, loggable
 from jopd.run.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.cross_teacher import misaligned_summary
@@ -160,10 +161,16 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
     special = set(special_token_ids(run.tokenizer)) - {run.tokenizer.eos_token_id} if run.tokenizer else set()
     run_guard = RunGuard(cfg.train.guard, special, cfg.sampling.max_new_tokens)
 
+    sampler_side = "the sampler's rollout" + (
+        f" (on its own devices: {', '.join(str(d.id) for d in opd.sampler_mesh.devices.flat)})"
+        if placement.disaggregated(cfg) else "")
+
     def flush(pending) -> str | None:
         """Log step n-1's metrics (read while step n runs); returns why the run must stop, if it must."""
         step, metrics, t0, rollout = pending
         out, batch, reward = rollout.sample, rollout.host_batch, rollout.rewards_B
+        stall.wait_ready(((sampler_side, out), ("the update (teacher scoring and the train step)", metrics)),
+                         cfg.train.stall_timeout_s, f"step {step}")
         m = per_task_means({k: float(v) for k, v in jax.device_get(metrics).items()})
         lengths = np.asarray(jax.device_get(out.lengths_B))
         tokens = np.asarray(jax.device_get(out.tokens_BxN))

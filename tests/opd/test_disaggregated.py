@@ -105,7 +105,8 @@ def test_the_loop_trains_with_the_sampler_running_beside_the_update(tmp_path):
     step calls do."""
     from jopd.run.loop import train
 
-    cfg = _config(tmp_path, "rollout.staleness=1", *SPLIT, "train.steps=4")
+    # with the loop's stall watchdog on (`run.stall`): it polls each step's rollout and update before reading them
+    cfg = _config(tmp_path, "rollout.staleness=1", *SPLIT, "train.steps=4", "train.stall_timeout_s=300")
     summary = train(cfg, log=lambda *_: None)
     _, _, tokens, metrics = _train(_config(tmp_path, "rollout.staleness=1", *SPLIT, "train.steps=4"), 4)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
