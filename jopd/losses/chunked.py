@@ -4,7 +4,9 @@ logits instead of storing them). The student's loss and the teacher's scoring (`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -15,6 +17,19 @@ from jopd.models.transformer import logits_at_ids, logits_from_hidden
 from jopd.parallel.vocab_projection import vocab_sharded_head, vocab_sharded_logits
 
 ChunkFn = Callable[[jax.Array, Mapping[str, jax.Array]], dict[str, jax.Array]]
+
+_UNROLLED = contextvars.ContextVar("chunked_map_unrolled", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_chunks() -> Iterator[None]:
+    """Within it (at trace time), `chunked_map` runs its chunks one after another without a loop: for cost
+    programs (`sizing.cost`), whose XLA cost analysis would count a loop's body once. The outputs are the loop's."""
+    token = _UNROLLED.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED.reset(token)
 
 
 def head_params(params: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -99,5 +114,21 @@ def chunked_map(fn: Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]], i
     def body(carry, xs):
         return carry, fn(xs)
 
-    _, out = jax.lax.scan(body, None, {k: split(v) for k, v in inputs.items()})
+    chunks = {k: split(v) for k, v in inputs.items()}
+    if _UNROLLED.get():
+        return jax.tree.map(merge, _unrolled(fn, chunks, n))
+    _, out = jax.lax.scan(body, None, chunks)
     return jax.tree.map(merge, out)
+
+
+def _unrolled(fn, chunks: Mapping[str, jax.Array], n: int) -> dict[str, jax.Array]:
+    """The chunks in sequence, each chunk's inputs tied to the previous chunk's outputs by an optimization barrier,
+    so that, as in the loop, one chunk's logits are live at a time (unordered, the compiler may overlap them)."""
+    outs, prev = [], None
+    for i in range(n):
+        xs = {k: v[i] for k, v in chunks.items()}
+        if prev is not None:
+            xs, _ = jax.lax.optimization_barrier((xs, prev))
+        prev = fn(xs)
+        outs.append(prev)
+    return jax.tree.map(lambda *ys: jnp.stack(ys), *outs)

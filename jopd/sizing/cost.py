@@ -5,6 +5,7 @@ tokens/s per chip and MFU."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -31,6 +32,7 @@ from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_c
 from jopd.sizing.moe_cost import expert_cost
 from jopd.sizing.roofline import CHIP_PEAKS, F32_PASSES, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.run.config import RunConfig
+from jopd.losses.chunked import unrolled_chunks
 from jopd.losses.compute import loss_chunk
 from jopd.opd.step import OPDStep, build_step
 from jopd.sampling import decode
@@ -59,6 +61,7 @@ class Programs:
 
     parts: dict[str, list[CostProgram]]
     lower: dict[str, Callable[[], Any]]
+    fallback: dict[str, list[CostProgram]] = dataclasses.field(default_factory=dict)
 
 
 SAMPLER = "sampler program"  # the memory pass's own sampler program: prefill + one decode step (its loop body once)
@@ -70,10 +73,13 @@ def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Prog
     i.e. max_new_tokens - 1 steps after the prefill's token; with `sampler`, the prefill is the sampler program
     already compiled for memory (key `SAMPLER`: XLA counts its decode loop's body once) minus one decode step, so
     it is not compiled again); teacher scoring and the train step with the layers unrolled
-    (`transformer.unstack_layers`), their loss chunk loop's body counted once there and its other chunks' from
-    one-layer steps at chunk sizes c and c' (a single chunk of every position may not fit the device; the
-    body is linear in its positions: body(c) = c / (c - c') x (P(c) - P(c'))). The weight sync has no loop: its
-    own program is its cost program."""
+    (`transformer.unstack_layers`) and the loss chunks run one after another (`chunked.unrolled_chunks`): one
+    program each. The weight sync has no loop: its own program is its cost program.
+
+    `Programs.fallback`, for a stage whose unrolled chunks the compiler refuses (they may hold more than one
+    chunk's logits at once): the chunk loop kept, its body counted once there and its other chunks' from one-layer
+    steps at chunk sizes c and c' (the body taken as linear in its positions: body(c) = c / (c - c') x
+    (P(c) - P(c')))."""
     cfg = step.cfg
     variants = _Variants(step)
     N = cfg.sampling.max_new_tokens
@@ -84,23 +90,26 @@ def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Prog
     updates = cfg.rl.inner_updates * micro
     lower: dict[str, Callable[[], Any]] = {}
 
-    def key(kind: str, layers: tuple[int, ...], chunk: int) -> str:
+    def key(kind: str, layers: tuple[int, ...], chunk: int, unrolled: bool = False) -> str:
         split = micro if kind == "update" else 1
-        k = f"{kind} layers={','.join(map(str, layers))} chunk={chunk}" + (f" micro=1/{split}" if split > 1 else "")
+        k = f"{kind} layers={','.join(map(str, layers))} chunk={chunk}" + (" unrolled" if unrolled else "") + (
+            f" micro=1/{split}" if split > 1 else "")
         if k not in lower:
-            lower[k] = variants.lowering(kind, layers, chunk, split)
+            lower[k] = variants.lowering(kind, layers, chunk, split, unrolled)
         return k
 
     full, one, chunk = variants.layers, (1,) * len(variants.layers), cfg.loss.chunk_size
     sample = variants.rollout_counts(ins)
     parts = {
         "sample": [CostProgram(name, count, ((1.0, key(name, full, chunk)),)) for name, count in sample.items()],
-        "teacher_scoring": [CostProgram("forward", 1, ((1.0, key("score", full, chunk)),))],
-        "train_step": [CostProgram("update", updates, ((1.0, key("update", full, chunk)),))],
+        "teacher_scoring": [CostProgram("forward", 1, ((1.0, key("score", full, chunk, unrolled=True)),))],
+        "train_step": [CostProgram("update", updates, ((1.0, key("update", full, chunk, unrolled=True)),))],
     }
     if sampler:
         decode = key("decode", full, chunk)
         parts["sample"][0] = CostProgram("prefill", 1, ((1.0, SAMPLER), (-1.0, decode)))
+    fallback = {"teacher_scoring": [CostProgram("forward", 1, ((1.0, key("score", full, chunk)),))],
+                "train_step": [CostProgram("update", updates, ((1.0, key("update", full, chunk)),))]}
     chunks = -(-N // c)  # the scoring's chunks; the update's run loss_chunk positions each
     update_chunks = -(-N // min(loss_chunk(step.loss_cfg), N))
     scale = c / (c - c2)
@@ -108,9 +117,9 @@ def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Prog
     for stage, kind, name, count in (("teacher_scoring", "score", "chunk", chunks - 1),
                                      ("train_step", "update", "loss chunk", (update_chunks - 1) * updates)):
         if count > 0:
-            parts[stage].append(CostProgram(name, count, ((scale, key(kind, one, c)), (-scale, key(kind, one, c2))),
-                                            derived=True))
-    return Programs(parts, lower)
+            fallback[stage].append(CostProgram(name, count, ((scale, key(kind, one, c)),
+                                                             (-scale, key(kind, one, c2))), derived=True))
+    return Programs(parts, lower, fallback)
 
 
 class _Variants:
@@ -136,12 +145,13 @@ class _Variants:
     def rollout_counts(self, ins: StepInputs) -> dict[str, int]:
         return {name: count for name, (count, _) in _rollout_programs(self.step, ins).items()}
 
-    def lowering(self, kind: str, layers: tuple[int, ...], chunk: int, split: int = 1) -> Callable[[], Any]:
+    def lowering(self, kind: str, layers: tuple[int, ...], chunk: int, split: int = 1,
+                 unrolled: bool = False) -> Callable[[], Any]:
         def lower():
             flat, ins = self.at(layers, chunk, split)  # outside the mesh: building a step runs optax's init eagerly
             # the experts' grouped matmuls are counted analytically (`moe_parts`), not by XLA's cost analysis
             with jax.set_mesh(flat.sampler_mesh if kind in ("prefill", "decode") else flat.mesh), \
-                    moe.grouped_matmuls_stand_in():
+                    moe.grouped_matmuls_stand_in(), unrolled_chunks() if unrolled else contextlib.nullcontext():
                 return self._lower(kind, flat, ins)
 
         return lower
@@ -288,12 +298,24 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
     keys = [k for k in dict.fromkeys(k for p in wanted for _, k in p.terms) if k not in compiled]
     on_sampler = sampler_side(step)  # disaggregated: the rollout's programs run on the sampler's own devices
     own, trainer = len(step.sampler_mesh.devices.flat), len(step.mesh.devices.flat)
-    bar = tqdm(keys, desc="cost programs", disable=not progress, dynamic_ncols=True, leave=False)
-    for k in bar:
-        bar.set_postfix_str(k)
-        rollout_program = k.split(" ", 1)[0] in ("prefill", "decode")
-        compiled[k] = _compile_cost(step.mesh, programs.lower[k], own if on_sampler and rollout_program else trainer,
-                                    options)
+    def compile_all(keys, desc):
+        bar = tqdm(keys, desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
+        for k in bar:
+            bar.set_postfix_str(k)
+            rollout_program = k.split(" ", 1)[0] in ("prefill", "decode")
+            compiled[k] = _compile_cost(step.mesh, programs.lower[k],
+                                        own if on_sampler and rollout_program else trainer, options)
+
+    compile_all(keys, "cost programs")
+    # a stage whose chunks unrolled the compiler refused (memory): its chunk loop kept, the body derived
+    refused = {}
+    for report in reports:
+        errors = [compiled[k][2] for p in programs.parts.get(report.name, ()) for _, k in p.terms if compiled[k][2]]
+        if errors and report.name in programs.fallback:
+            refused[report.name] = errors[0]
+            programs.parts[report.name] = programs.fallback[report.name]
+    compile_all([k for k in dict.fromkeys(k for s in refused for p in programs.parts[s] for _, k in p.terms)
+                 if k not in compiled], "cost programs (chunk loops)")
     stages, seen = [], set()
     for report in reports:
         if report.name not in programs.parts:
@@ -308,7 +330,9 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
         n = own if report.name in on_sampler else trainer
         stages.append(StageCost(report.name, tuple(parts) + attention_parts(step, ins, report.name, n)
                                 + moe_parts(step, ins, report.name, n) + transfer_parts(step, ins, report.name)))
-    notes = _notes(step, stages, options)
+    notes = _notes(step, stages, options) + [
+        f"{name}: its loss chunks unrolled did not compile ({error[:120]}); the chunk loop's body derived from "
+        f"one-layer programs at two chunk sizes (taken as linear in its positions)" for name, error in refused.items()]
     return Roofline(chip=chip, peak=CHIP_PEAKS[chip], num_devices=num_devices, devices_per_chip=per_chip,
                     stages=stages, rollout_tokens=step.rollout_rows * step.cfg.sampling.max_new_tokens,
                     model_flops=step_model_flops(step), compile_s=time.perf_counter() - t0, notes=notes,

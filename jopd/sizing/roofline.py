@@ -85,12 +85,13 @@ F32_PASSES: dict[str, int] = {"DEFAULT": 1, "HIGH": 3, "HIGHEST": 6}
 
 
 def program_loops(hlo_text: str) -> int:
-    """The while loops of a compiled program that its own code holds (scan, fori, while), not those XLA:CPU's loop
-    emitters make of a single scatter (a TPU scatters natively; a CPU compile of the same step expands it)."""
+    """The while loops of a compiled program that its own code holds (scan, fori, while: JAX names each `while`),
+    not those XLA:CPU's loop emitters make of a scatter (named after the scatter, or after an add XLA merged it
+    with: a TPU scatters natively; a CPU compile of the same step expands it). A loop without a name counts."""
     loops = 0
     for line in re.findall(r"^.*\swhile\(.*$", hlo_text, re.M):
         op = re.search(r'op_name="([^"]*)"', line)
-        loops += not (op and op.group(1).rsplit("/", 1)[-1].startswith("scatter"))
+        loops += not op or op.group(1).rsplit("/", 1)[-1] == "while"
     return loops
 
 

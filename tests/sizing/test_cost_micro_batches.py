@@ -25,7 +25,6 @@ def test_accumulated_update_is_costed_as_its_micro_batches():
     whole, _ = _update()
     micro, notes = _update("optim.grad_accum_steps=2")
     assert (whole["update"].count, micro["update"].count) == (1, 2)
-    assert micro["loss chunk"].count == 2 * whole["loss chunk"].count
     # half the rows per program: about half its FLOPs (each also holds the optimizer update: ~3% here)
     assert micro["update"].cost.flops == pytest.approx(whole["update"].cost.flops / 2, rel=0.05)
     total = lambda parts: sum(p.count * p.cost.flops for p in parts.values() if p.cost)  # noqa: E731
