@@ -12,8 +12,9 @@ the local devices. Prints per-device memory per stage; exits with an error if a 
 With --topology it also prints the step on paper (`jopd.sizing.roofline`): per stage XLA's FLOPs and bytes per device
 from loop-free cost programs, the bytes its collectives send over ICI, the predicted time on the chip's peaks (its
 compute/HBM bound plus its collectives, not overlapped; and with them overlapped), the predicted step time, rollout
-tokens/s per chip and MFU. The cost programs (the looped stages' layers unrolled, one prefill and one decode step,
-one-layer programs for the loss chunks) take about as long again as the stages themselves: --no-cost skips them,
+tokens/s per chip and MFU. The cost programs (one prefill and one decode step; the scoring and the update each as
+one program with its layers and loss chunks unrolled; the sampler program of the memory pass reused for the
+prefill) take longer to compile than the stages themselves (timings in docs/performance.md): --no-cost skips them,
 --stages compiles and costs only the stages named.
 
 With rollout.placement=disaggregated (and rollout.sampler_devices=N) it sizes the split: the weight sync and the
@@ -59,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HBM per device in GiB (default: from the device kind; unknown kinds are not checked)")
     p.add_argument("--no-cost", action="store_true",
                    help="with --topology: skip the roofline (XLA's cost analysis and collectives of loop-free "
-                        "cost programs, the predicted step time, rollout tokens/s per chip, MFU): about as many "
-                        "compiles again as the stages themselves (use --stages to cost only some)")
+                        "cost programs, the predicted step time, rollout tokens/s per chip, MFU): the scoring and "
+                        "update compiled again with their layers and loss chunks unrolled, and one prefill and "
+                        "decode step (use --stages to cost only some)")
 
 
 def run(args: argparse.Namespace) -> int:
