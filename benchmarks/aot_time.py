@@ -1,0 +1,76 @@
+"""`jopd aot`'s own time on a <= 1B config ([PS] item 6: sizing and costing must take <= 4 minutes on a quiet
+2-core machine): the Qwen3 v5e config's shapes (64 prompts x 512 new tokens, prompts of 256) with a Qwen2.5-0.5B
+student and teacher, data-parallel over a v5e:2x2 topology. Runs `jopd aot` as a new user would (a fresh process
+each: imports, libtpu, every compile), with and without the cost programs, and prints one table: wall and CPU
+seconds, the memory pass's and the cost programs' compile seconds (from the report JSON), and the target check.
+
+    PYTHONPATH=. python benchmarks/aot_time.py [--topology v5e:2x2] [--runs cost,no-cost] [--out DIR]
+
+Needs libtpu (pip install 'jopd[tpu]'). Run it on a quiet machine: the compiles use every core they get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIG = "configs/qwen3_1p7b_from_8b_v5e.yaml"
+OVERRIDES = ["student.path=configs/arch/qwen2.5-0.5b-instruct", "teacher.path=configs/arch/qwen2.5-0.5b-instruct",
+             "mesh.data=-1", "mesh.fsdp=1"]
+TARGET_S = 240.0
+
+
+def run_aot(topology: str, cost: bool, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "jopd.cli", "aot", CONFIG, *OVERRIDES, "--topology", topology, "--out", str(out)]
+    if not cost:
+        cmd.append("--no-cost")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"jopd aot failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    report = json.loads(out.read_text())
+    roofline = report.get("roofline") or {}
+    return {"run": "cost" if cost else "no-cost", "wall_s": wall,
+            "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+            "memory_pass_s": sum(s["compile_s"] for s in report["stages"]),
+            "cost_programs_s": roofline.get("compile_s", 0.0),
+            "step_s": roofline.get("step_s")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", default="v5e:2x2")
+    p.add_argument("--runs", default="cost,no-cost", help="comma-separated: cost, no-cost")
+    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [r.strip() for r in args.runs.split(",") if r.strip()]:
+            if name not in ("cost", "no-cost"):
+                raise SystemExit(f"--runs: {name!r} is not cost or no-cost")
+            rows.append(run_aot(args.topology, name == "cost", Path(tmp) / f"{name}.json"))
+            print(f"{name}: {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    print(f"jopd aot on a Qwen2.5-0.5B student and teacher, {args.topology}, {os.cpu_count()} CPUs; target <= "
+          f"{TARGET_S:.0f} s for sizing and costing")
+    print(f"{'run':8} {'wall s':>7} {'CPU s':>7} {'memory pass s':>13} {'cost programs s':>15} {'step s':>7}  target")
+    for r in rows:
+        ok = "met" if r["wall_s"] <= TARGET_S else "missed"
+        step = f"{r['step_s']:.3f}" if r["step_s"] else "-"
+        print(f"{r['run']:8} {r['wall_s']:7.0f} {r['cpu_s']:7.0f} {r['memory_pass_s']:13.0f} "
+              f"{r['cost_programs_s']:15.0f} {step:>7}  {ok if r['run'] == 'cost' else ''}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
