@@ -1,6 +1,7 @@
 """The exchange directory between the trainer and its sampler process (`rollout.placement=process`): arrays written
 with TensorStore (zarr), each group of them made visible by a marker, a small JSON file written under a temporary
 name and renamed into place (`os.replace`) after its arrays, so a reader that sees the marker reads whole arrays.
+TensorStore's default zarr chunks (about 4 MB, blosc-lz4) keep each file small.
 
     params/v<V>/<leaf path>  + params/v<V>.json     the policy's fp32 params of version V (flattened by tree path)
     request/<n>/<rows>       + request/<n>.json     step n's host prompt rows; the marker: its params version and key
@@ -119,7 +120,8 @@ class Exchange:
         self._write("rollout", str(step), fields, {"step": step, "iterations": iterations})
 
     def pending_request(self) -> int | None:
-        """The first step with a request and no rollout yet (None: nothing to do)."""
+        """The first step with a request and no rollout yet (None: nothing to do). The rollouts are listed first:
+        the trainer deletes a read step's request before its rollout."""
         done = set(self.names("rollout"))
         return next((n for n in self.names("request") if n not in done), None)
 

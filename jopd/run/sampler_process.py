@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -72,7 +73,7 @@ class ProcessSampler:
         self.exchange.clear()
         self._args = (cfg, student_cfg, tuple(teacher_cfgs), str(self.exchange.root), os.getpid(),
                       {k: os.environ[k] for k in ENV if k in os.environ},
-                      {k: getattr(jax.config, k) for k in JAX_OPTIONS})
+                      {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)})
         self.process = None
         self.restarts = 0  # over the run
         self._start()
@@ -102,8 +103,10 @@ class ProcessSampler:
         self.write_request(step, version, policy, key, rows)
         self.wait(step, version)
         meta, fields = self.exchange.read("rollout", step)
-        self.exchange.delete("rollout", step)  # read once: the next request is the next step's
+        # read once. The request goes first: a worker that lists the rollouts, then the requests, never finds
+        # this step's request without its rollout (and samples it again)
         self.exchange.delete("request", step)
+        self.exchange.delete("rollout", step)
         return SampleOutput(**fields), np.int32(meta["iterations"])
 
     def wait(self, step: int, version: int) -> dict:
@@ -151,6 +154,7 @@ def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dic
     """The sampler process: the trainer's environment and jax options, its sampling side, then `serve`. An
     exception is written to `<root>/error.txt` (one line) before the process exits."""
     os.environ.update(env)  # before jax's backend starts here (spawn passes them on too; explicit for clarity)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops this process
     try:
         if "JAX_PLATFORMS" in env:  # read by jax at import: set it as an option as well
             jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
