@@ -87,15 +87,17 @@ def test_a_killed_sampler_process_is_restarted_and_no_step_is_lost(tmp_path, in_
     assert got[3].restarts == 1 and len(killed) == 1
     restarted = [m for m in logs if "restarted" in m]
     assert len(restarted) == 1 and f"the sampler process (pid {killed[0]}) exited" in restarted[0]
+    assert "from params version 0" in restarted[0]  # step 1 samples with step 0's params (k = 1): the last written
 
 
-def test_a_stalled_sampler_process_is_named(tmp_path):
+def test_a_stalled_sampler_process_is_named_and_a_failed_one_is_not_restarted(tmp_path):
     """The worker is alive but never answers (stopped with SIGSTOP): past train.stall_timeout_s the trainer stops
-    with one line naming it by pid, instead of waiting silently."""
+    with one line naming it by pid, instead of waiting silently. Let go, the worker fails to build its sampler (it
+    is given no student config): its own error is raised in the trainer, with no restart."""
     from jopd.run import stall
 
     cfg = _config(tmp_path, "rollout.placement=process", "train.stall_timeout_s=0.5")
-    client = ProcessSampler(cfg, None, (), log=lambda *_: None)  # no sampling side needed: it is never reached
+    client = ProcessSampler(cfg, None, (), log=lambda *_: None)
     try:
         os.kill(client.pid, signal.SIGSTOP)
         ex = client.exchange
@@ -103,8 +105,16 @@ def test_a_stalled_sampler_process_is_named(tmp_path):
         with pytest.raises(stall.StallError, match=rf"^train.stall_timeout_s=0.5: step 0: the sampler process "
                                                    rf"\(pid {client.pid}\) has not finished after 0.5 s"):
             client.wait(0, 0)
-    finally:
         os.kill(client.pid, signal.SIGCONT)
+        client.process.join(timeout=60)  # it fails while it builds its sampling side
+        with pytest.raises(RuntimeError, match=rf"^rollout.placement=process: the sampler process \(pid "
+                                               rf"{client.pid}\) failed: ValueError: build_step: one "
+                                               r"RunConfig.teacher"):
+            client.wait(0, 0)
+        assert client.restarts == 0
+    finally:
+        if client.process.exitcode is None:
+            os.kill(client.pid, signal.SIGCONT)
         client.close()
 
 
