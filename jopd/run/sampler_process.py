@@ -33,8 +33,10 @@ import numpy as np
 from jopd.run import stall
 from jopd.run.exchange import Exchange, leaf_name
 
-# jax options a worker takes from its trainer (conftest's matmul precision, for one): what the sampler computes
-JAX_OPTIONS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_threefry_partitionable")
+# jax options a worker takes from its trainer, set before its backend starts (a caller may set them in code, not in
+# the environment: the tests' matmul precision, for one): what devices it sees and how the sampler computes
+JAX_OPTIONS = ("jax_platforms", "jax_num_cpu_devices", "jax_default_matmul_precision", "jax_enable_x64",
+               "jax_threefry_partitionable")
 ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
 RESTARTS = 3  # restarts while one rollout is awaited before the run stops (a worker that dies at once)
 POLL_S = 0.005
@@ -152,12 +154,11 @@ class ProcessSampler:
 def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dict[str, str],
                 options: dict[str, Any]) -> None:
     """The sampler process: the trainer's environment and jax options, its sampling side, then `serve`. An
-    exception is written to `<root>/error.txt` (one line) before the process exits."""
+    exception is written to `<root>/error.txt` (one line) before the process exits. (jax is imported, but its
+    backend, which reads XLA_FLAGS and the options, starts only when the sampling side is built.)"""
     os.environ.update(env)  # before jax's backend starts here (spawn passes them on too; explicit for clarity)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops this process
     try:
-        if "JAX_PLATFORMS" in env:  # read by jax at import: set it as an option as well
-            jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
         for k, v in options.items():
             jax.config.update(k, v)
         serve(sampling_side(cfg, student_cfg, teacher_cfgs), Exchange(root), parent)

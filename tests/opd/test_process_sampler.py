@@ -12,6 +12,7 @@ import pytest
 
 from jopd.config_dataclass import ConfigError
 from jopd.data.pipeline import train_iterator
+from jopd.opd.step import OPDStep
 from jopd.run import exchange as exlib
 from jopd.run.loop import build
 from jopd.run.sampler_process import ProcessSampler
@@ -58,7 +59,11 @@ def _assert_same_run(got, want):
 
 
 @pytest.mark.slow
-def test_a_sampler_process_samples_and_trains_as_the_in_place_k_lag_mode(tmp_path, in_place):
+def test_a_sampler_process_samples_and_trains_as_the_in_place_k_lag_mode(tmp_path, in_place, monkeypatch):
+    def not_here(*_):
+        raise AssertionError("sampled in the trainer's process")
+
+    monkeypatch.setattr(OPDStep, "sample_rows", not_here)  # this process's class only: the worker samples
     cfg = _config(tmp_path, f"rollout.staleness={K}", "rollout.placement=process", "train.stall_timeout_s=300")
     got = _train(cfg)
     _assert_same_run(got, in_place)
