@@ -40,6 +40,7 @@ JAX_OPTIONS = ("jax_platforms", "jax_num_cpu_devices", "jax_default_matmul_preci
 ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
 RESTARTS = 3  # restarts while one rollout is awaited before the run stops (a worker that dies at once)
 POLL_S = 0.005
+NOTICE_S = 60.0  # without train.stall_timeout_s, a line per minute while a rollout is awaited: never silent
 
 
 def exchange_dir(cfg) -> Path:
@@ -115,8 +116,9 @@ class ProcessSampler:
         """Poll for step `step`'s rollout marker: restart a worker that has exited, raise a worker's own error,
         and past `train.stall_timeout_s` stop naming the sampler process."""
         timeout = self.cfg.train.stall_timeout_s
-        deadline = None if timeout is None else time.monotonic() + timeout
-        restarts = 0
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        restarts, notices = 0, 0
         while (meta := self.exchange.meta("rollout", step)) is None:
             code = self.process.exitcode
             if code is not None:
@@ -135,6 +137,10 @@ class ProcessSampler:
                          f"(pid {self.pid}) from params version {version} and the pending request")
             if deadline is not None and time.monotonic() > deadline:
                 raise stall.stall_error(timeout, f"step {step}", f"the sampler process (pid {self.pid})")
+            if deadline is None and time.monotonic() - t0 > NOTICE_S * (notices + 1):
+                notices += 1
+                self.log(f"step {step}: waiting for the sampler process (pid {self.pid}) for "
+                         f"{NOTICE_S * notices:g} s (train.stall_timeout_s stops the run instead)")
             time.sleep(POLL_S)
         return meta
 

@@ -95,14 +95,23 @@ def test_a_killed_sampler_process_is_restarted_and_no_step_is_lost(tmp_path, in_
     assert "from params version 0" in restarted[0]  # step 1 samples with step 0's params (k = 1): the last written
 
 
-def test_a_stalled_sampler_process_is_named_and_a_failed_one_is_not_restarted(tmp_path):
+def test_a_stalled_sampler_process_is_named_and_a_failed_one_is_not_restarted(tmp_path, monkeypatch):
     """The worker is alive but never answers (stopped with SIGSTOP): past train.stall_timeout_s the trainer stops
-    with one line naming it by pid, instead of waiting silently. Let go, the worker fails to build its sampler (it
-    is given no student config): its own error is raised in the trainer, with no restart."""
-    from jopd.run import stall
+    with one line naming it by pid, instead of waiting silently; without the timeout it says so every NOTICE_S.
+    Let go (at the notice), the worker fails to build its sampler (it is given no student config): its own error
+    is raised in the trainer, with no restart."""
+    import dataclasses
+
+    from jopd.run import sampler_process, stall
+
+    logs = []
+
+    def log(line):
+        logs.append(line)
+        os.kill(client.pid, signal.SIGCONT)
 
     cfg = _config(tmp_path, "rollout.placement=process", "train.stall_timeout_s=0.5")
-    client = ProcessSampler(cfg, None, (), log=lambda *_: None)
+    client = ProcessSampler(cfg, None, (), log=log)
     try:
         os.kill(client.pid, signal.SIGSTOP)
         ex = client.exchange
@@ -110,12 +119,15 @@ def test_a_stalled_sampler_process_is_named_and_a_failed_one_is_not_restarted(tm
         with pytest.raises(stall.StallError, match=rf"^train.stall_timeout_s=0.5: step 0: the sampler process "
                                                    rf"\(pid {client.pid}\) has not finished after 0.5 s"):
             client.wait(0, 0)
-        os.kill(client.pid, signal.SIGCONT)
-        client.process.join(timeout=60)  # it fails while it builds its sampling side
+        assert not logs
+        client.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stall_timeout_s=None))
+        monkeypatch.setattr(sampler_process, "NOTICE_S", 0.3)
         with pytest.raises(RuntimeError, match=rf"^rollout.placement=process: the sampler process \(pid "
                                                rf"{client.pid}\) failed: ValueError: build_step: one "
                                                r"RunConfig.teacher"):
             client.wait(0, 0)
+        assert logs[0] == f"step 0: waiting for the sampler process (pid {client.pid}) for 0.3 s " \
+                          f"(train.stall_timeout_s stops the run instead)"
         assert client.restarts == 0
     finally:
         if client.process.exitcode is None:
