@@ -45,8 +45,11 @@ class RolloutConfig:
     # colocated: the sampler on the trainer's devices, one stage after the other. disaggregated: the sampler on
     # devices of its own (`opd.placement`), the first `sampler_devices` of the process's devices; with k >= 1 its
     # rollout of step n+1 runs beside the update of step n (the window's params are not the update's outputs).
-    placement: Literal["colocated", "disaggregated"] = "colocated"
+    # process: the sampler in a worker process of its own (`jopd.run.sampler_process`), the params and rollouts
+    # exchanged as TensorStore arrays in `exchange_dir`; a worker that dies is restarted.
+    placement: Literal["colocated", "disaggregated", "process"] = "colocated"
     sampler_devices: int = pydantic.Field(0, ge=0)  # disaggregated: how many devices the sampler gets
+    exchange_dir: str | None = None  # process: a local directory both sides reach (default <train.out_dir>/exchange)
 
 
 @flax.struct.dataclass

@@ -152,6 +152,9 @@ class OPDStep:
     # ... and with train.mismatch=exact, jit (params, prompt, mask, tokens, lengths) -> the trainer's [B, N, V]
     # log-softmax with the rollout's own params (the staleness split's r)
     lagged_fn: Any = None
+    # rollout.placement=process: the client of the sampler process (`jopd.run.sampler_process.ProcessSampler`;
+    # set by the loop's `build`): `sample(step, policy_step, policy, key, rows)` -> (host `SampleOutput`, iterations)
+    remote: Any = None
 
     # -- sizes ------------------------------------------------------------------------------------------
 
@@ -255,23 +258,46 @@ class OPDStep:
         """Weight sync, then the sampler on this process's rows of the prompt batch (Grain's dict): G =
         `rollouts_per_prompt` samples of each prompt (rows r*G .. r*G+G-1), its prefill shared. `policy`: the
         params to sample with (trainer layout; default `state.params`), synced with the weight-noise key of
-        `policy_step` (default `step`); the row randomness is always step `step`'s."""
-        G, shared = self.rollouts_per_prompt, self.prefill_group
-        local_prompts = batch["prompt_tokens"].shape[0]
+        `policy_step` (default `step`); the row randomness is always step `step`'s. With a `remote` sampler
+        (`rollout.placement=process`) the sync and the sampler run in its process, and its rows come back here."""
+        batch = self.host_rows(batch)
+        policy, policy_step = (state.params, step) if policy is None else (policy, policy_step)
+        key = weight_sync_key(state.rng, policy_step)
+        if self.remote is None:
+            sample, iterations, prompt, mask = self.sample_rows(self.sync_policy(policy, key), batch, step)
+        else:  # the sampler process's rows (host arrays) to the trainer's batch layout, as with `sampling.mesh`
+            sample, iterations = self.remote.sample(step, policy_step, policy, key, batch)
+            sample = host_local_to_global(sample, self.shardings.batch)
+            prompt, mask = host_local_to_global((batch["prompt_tokens"], batch["prompt_mask"].astype(bool)),
+                                                self.shardings.batch)
+        return self.finish_rollout(state, batch, sample, iterations, prompt, mask)
+
+    def host_rows(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This process's host rows of the prompt batch, one per rollout: each shard's rows teacher by teacher
+        (`routing.mode` task), each prompt repeated G times."""
         if self.routing.mode == "task":  # each shard's rows teacher by teacher
             order = routinglib.shard_order(batch["task_id"], self.routing, self.local_shards)
             batch = {k: v[order] for k, v in batch.items()}
-        batch = rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
-        local_rows = local_prompts * G
-        policy, policy_step = (state.params, step) if policy is None else (policy, policy_step)
-        key = weight_sync_key(state.rng, policy_step)
+        G = self.rollouts_per_prompt
+        return rewards.repeat_for_groups(batch, G) if G > 1 else batch  # the host rows, one per rollout
+
+    def sync_policy(self, policy, key: jax.Array):
+        """The weight sync: `policy` (fp32, trainer layout) -> the sampler's params (rollout precision, noise of
+        `key`); disaggregated, after the policy's transfer to the sampler's devices."""
         if self.shardings.sampler_student is None:
-            sampler_params = self.sync_fn(policy, key)
-        else:  # disaggregated: the weight transfer between the device sets, then the sync on the sampler's
-            policy = jax.device_put(policy, self.shardings.sampler_student)
-            key = jax.device_put(key, NamedSharding(self.sampler_mesh, PartitionSpec()))
-            with jax.set_mesh(self.sampler_mesh):
-                sampler_params = self.sync_fn(policy, key)
+            return self.sync_fn(policy, key)
+        # disaggregated: the weight transfer between the device sets, then the sync on the sampler's
+        policy = jax.device_put(policy, self.shardings.sampler_student)
+        key = jax.device_put(key, NamedSharding(self.sampler_mesh, PartitionSpec()))
+        with jax.set_mesh(self.sampler_mesh):
+            return self.sync_fn(policy, key)
+
+    def sample_rows(self, sampler_params, batch: dict[str, np.ndarray], step: int):
+        """The sampler on the host rows `batch` (`host_rows`: its prompt_tokens / prompt_mask) with step `step`'s
+        row randomness -> (the `SampleOutput` in the trainer's batch layout, the decode iterations, the prompts and
+        masks in that layout)."""
+        shared = self.prefill_group
+        local_rows = batch["prompt_tokens"].shape[0]
         first = step * local_rows * jax.process_count() + jax.process_index() * local_rows
         rand = row_randomness(rollout_seed(self.cfg.train.seed), first + np.arange(local_rows),
                               self.sampler.sampling.max_new_tokens)
@@ -294,7 +320,14 @@ class OPDStep:
             sample = jax.device_put(sample, self.shardings.batch)
             prompt, mask = host_local_to_global((batch["prompt_tokens"], batch["prompt_mask"].astype(bool)),
                                                 self.shardings.batch)
-        arrays, ema = RolloutArrays(prompt_BxP=prompt, prompt_mask_BxP=mask, sample=sample), None
+        return sample, iterations, prompt, mask
+
+    def finish_rollout(self, state: TrainState, batch: dict[str, np.ndarray], sample: SampleOutput, iterations,
+                       prompt_BxP: jax.Array, prompt_mask_BxP: jax.Array) -> Rollout:
+        """The `Rollout` of a sample in the trainer's batch layout: the per-task ids, rewards and advantages (RL
+        kinds), the cross-tokenizer alignment (all on the host rows `batch`)."""
+        local_rows = batch["prompt_tokens"].shape[0]
+        arrays, ema = RolloutArrays(prompt_BxP=prompt_BxP, prompt_mask_BxP=prompt_mask_BxP, sample=sample), None
         if self.loss_cfg.task_names:  # several tasks: each row's, for the per-task metrics
             arrays = arrays.replace(task_B=host_local_to_global(batch["task_id"].astype(np.int32), self.shardings.batch))
         if self.objective.uses_rewards:
@@ -304,8 +337,8 @@ class OPDStep:
         if self.crosses:  # the teachers' own tokenization of each response, aligned on the host
             cross, reasons = self._align(sample, batch)
             arrays = arrays.replace(cross=cross)
-        return Rollout(arrays, batch, ema, iterations, self.sampler.engine(local_rows * jax.process_count(), shared)[1],
-                       tuple(reasons))
+        slots = self.sampler.engine(local_rows * jax.process_count(), self.prefill_group)[1]
+        return Rollout(arrays, batch, ema, iterations, slots, tuple(reasons))
 
     def pack_plan(self, rollout: Rollout):
         """The packing of this rollout's sequences (`train.pack`), from their real lengths (read to the host:

@@ -66,6 +66,14 @@ def check_run(cfg: "RunConfig") -> None:
     if cfg.rollout.sampler_devices and cfg.rollout.placement != "disaggregated":
         raise ConfigError(f"rollout.sampler_devices={cfg.rollout.sampler_devices}: only with "
                           f"rollout.placement=disaggregated")
+    if cfg.rollout.exchange_dir is not None and cfg.rollout.placement != "process":
+        raise ConfigError(f"rollout.exchange_dir={cfg.rollout.exchange_dir}: only with rollout.placement=process")
+    if cfg.rollout.exchange_dir is not None and "://" in cfg.rollout.exchange_dir:
+        raise ConfigError(f"rollout.exchange_dir={cfg.rollout.exchange_dir}: a local directory (the exchange's "
+                          f"markers are renamed into place with os.replace; a bucket is not built)")
+    if cfg.rollout.placement == "process" and cfg.loss.cross_tokenizer != "off":
+        raise ConfigError(f"rollout.placement=process: not with loss.kind={cfg.loss.kind} (a teacher with another "
+                          f"tokenizer: its alignment objects are not sent to the sampler process)")
     if cfg.train.probe_every and objective.cross_tokenizer is not None:
         raise ConfigError(f"train.probe_every: the probe feeds the teacher the student's token ids; not with "
                           f"loss.kind={cfg.loss.kind} (a teacher with another tokenizer)")

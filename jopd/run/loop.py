@@ -24,6 +24,7 @@ from jopd.losses.compute import per_task_means
 from jopd.run.checkpoint import Checkpointer, PreemptionGuard
 from jopd.run.evaluate import compare_table, evaluate_heldout
 from jopd.run import stall
+from jopd.run.sampler_process import ProcessSampler
 from jopd.run.guards import RunGuard, loggable
 from jopd.run.metrics_log import MetricsWriter, plot_curves
 from jopd.opd.cross_teacher import misaligned_summary
@@ -77,6 +78,8 @@ def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     if idle:  # held (e.g. the other routings of a study share the config), but it scores no row
         log(f"warning: routing=task gives teacher(s) {', '.join(idle)} no rows (no `tasks`)")
     step = build_step(cfg, student_cfg, t_cfgs, mesh, tokenizer, cross)
+    if placement.in_process_of_its_own(cfg):  # the sampler's worker process, started now (`run.sampler_process`)
+        step = dataclasses.replace(step, remote=ProcessSampler(cfg, student_cfg, t_cfgs, log))
     teacher_params = jax.device_put(teacher_params, step.shardings.teacher)
     # the starting student as loaded, also on resume (the restored state replaces only the trained copy)
     reference = step.place_reference(student_params) if step.uses_reference else None
@@ -127,6 +130,14 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
     except OSError as e:
         raise ValueError(f"RunConfig.train.out_dir: {out_dir}: cannot write ({e.strerror or e})") from None
     run, state = build(cfg, log)
+    try:
+        return _train_built(cfg, run, state, out_dir, log, probe_hook)
+    finally:
+        if run.step.remote is not None:  # the sampler process (`rollout.placement=process`) ends with the run
+            run.step.remote.close()
+
+
+def _train_built(cfg: RunConfig, run: OPDRun, state: TrainState, out_dir: Path, log, probe_hook) -> dict[str, Any]:
     opd = run.step
     ckpt_cfg = dataclasses.replace(cfg.checkpoint, dir=cfg.checkpoint.dir or str(out_dir / "checkpoints"))
     ckpt = Checkpointer(ckpt_cfg)
@@ -163,7 +174,7 @@ def train(cfg: RunConfig, log=print, probe_hook: ProbeHook | None = None) -> dic
 
     sampler_side = "the sampler's rollout" + (
         f" (on its own devices: {', '.join(str(d.id) for d in opd.sampler_mesh.devices.flat)})"
-        if placement.disaggregated(cfg) else "")
+        if placement.disaggregated(cfg) else "")  # a sampler process is waited for (and named) by its client
 
     def flush(pending) -> str | None:
         """Log step n-1's metrics (read while step n runs); returns why the run must stop, if it must."""

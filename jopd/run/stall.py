@@ -1,7 +1,8 @@
 """The loop never waits silently on a program that does not finish (`train.stall_timeout_s`): on a pod a hung
 collective or a lost device blocks `jax.device_get` forever. Before reading a step's results the loop polls them in
 dispatch order (the sampler's rollout, then the update) and, past the timeout, raises naming the side that has not
-finished (with `rollout.placement=disaggregated`, the sampler's own devices or the trainer's)."""
+finished (with `rollout.placement=disaggregated`, the sampler's own devices or the trainer's; with
+`rollout.placement=process`, the sampler process by its pid: `run.sampler_process`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ def wait_ready(parts: Sequence[tuple[str, Any]], timeout_s: float | None, what: 
         arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "is_ready")]  # jax.Arrays (host values: ready)
         while not all(x.is_ready() for x in arrays):
             if time.monotonic() > deadline:
-                raise StallError(f"train.stall_timeout_s={timeout_s:g}: {what}: {name} has not finished after "
-                                 f"{timeout_s:g} s (a hung collective, a lost device, or a step slower than the "
-                                 f"timeout); the last checkpoint is intact")
+                raise stall_error(timeout_s, what, name)
             time.sleep(poll_s)
+
+
+def stall_error(timeout_s: float, what: str, name: str) -> StallError:
+    """The one line that names the side `name` that has not finished `what` within `timeout_s`."""
+    return StallError(f"train.stall_timeout_s={timeout_s:g}: {what}: {name} has not finished after {timeout_s:g} s "
+                      f"(a hung collective, a lost device, or a step slower than the timeout); the last checkpoint "
+                      f"is intact")

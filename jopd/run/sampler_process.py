@@ -1,0 +1,210 @@
+"""`rollout.placement=process`: the sampler in a worker process of its own, on the same host.
+
+The trainer (`ProcessSampler`, set as `OPDStep.remote` by the loop's `build`) starts one worker (multiprocessing,
+spawn context: a fresh interpreter with the trainer's XLA_FLAGS / JAX_PLATFORMS and jax options) and talks to it
+only through the exchange directory (`run.exchange`: TensorStore arrays, atomic markers). Per step n it writes
+the params version v = n - k the step samples with (once per version: the fp32 params the weight sync reads),
+then the request (the host prompt rows, v, and the weight-noise key `weight_sync_key(state.rng, v)`), and polls
+for the rollout. The worker builds the step's sampling side (`build_step` of the run's config, colocated on its
+own devices: only the weight sync and the sampler are ever compiled there) and loops: the pending request, its
+params version (loaded once), `OPDStep.sync_policy`, `OPDStep.sample_rows` (step n's row randomness), the
+rollout's arrays. The trainer turns them into the very `Rollout` the in-place mode makes (`OPDStep.rollout`).
+
+A worker that exits (killed, crashed) is seen while the trainer polls: it is restarted and reads the last params
+written and the pending request, so no step is lost or sampled twice (a rollout is read only once its marker is
+whole). A worker that raises writes its one-line error first: that is raised in the trainer, not restarted. With
+`train.stall_timeout_s` a rollout not written in time stops the run naming the sampler process and its pid.
+The worker exits when the trainer does (it watches its parent's pid)."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jopd.run import stall
+from jopd.run.exchange import Exchange, leaf_name
+
+# jax options a worker takes from its trainer, set before its backend starts (a caller may set them in code, not in
+# the environment: the tests' matmul precision, for one): what devices it sees and how the sampler computes
+JAX_OPTIONS = ("jax_platforms", "jax_num_cpu_devices", "jax_default_matmul_precision", "jax_enable_x64",
+               "jax_threefry_partitionable")
+ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
+RESTARTS = 3  # restarts while one rollout is awaited before the run stops (a worker that dies at once)
+POLL_S = 0.005
+NOTICE_S = 60.0  # without train.stall_timeout_s, a line per minute while a rollout is awaited: never silent
+
+
+def exchange_dir(cfg) -> Path:
+    """`rollout.exchange_dir`, default `<train.out_dir>/exchange`."""
+    return Path(cfg.rollout.exchange_dir or Path(cfg.train.out_dir) / "exchange")
+
+
+def flat_params(params) -> dict[str, np.ndarray]:
+    """Host copies of `params`' leaves by tree path (`exchange.leaf_name`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+    return {leaf_name(path): np.asarray(x) for path, x in leaves}
+
+
+def unflat_params(arrays: dict[str, np.ndarray], like):
+    """`arrays` (by tree path) as the pytree of `like` (ShapeDtypeStructs), checked leaf by leaf."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    out = []
+    for path, x in leaves:
+        a = arrays[leaf_name(path)]
+        if a.shape != tuple(x.shape) or a.dtype != x.dtype:
+            raise ValueError(f"exchange params {leaf_name(path)}: {a.dtype}{list(a.shape)}, the student's is "
+                             f"{x.dtype}{list(x.shape)}")
+        out.append(a)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class ProcessSampler:
+    """The trainer's side: the worker process and the exchange (see the module docstring)."""
+
+    def __init__(self, cfg, student_cfg, teacher_cfgs, log: Callable[[str], None] = print):
+        self.cfg, self.log = cfg, log
+        self.exchange = Exchange(exchange_dir(cfg))
+        self.exchange.clear()
+        self._args = (cfg, student_cfg, tuple(teacher_cfgs), str(self.exchange.root), os.getpid(),
+                      {k: os.environ[k] for k in ENV if k in os.environ},
+                      {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)})
+        self.process = None
+        self.restarts = 0  # over the run
+        self._start()
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(target=worker_main, args=self._args, name="jopd-sampler", daemon=True)
+        self.process.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def write_request(self, step: int, version: int, policy, key: jax.Array, rows: dict[str, np.ndarray]) -> None:
+        """Step `step`'s request: params `version` first (unless written), then the request's rows and marker."""
+        ex = self.exchange
+        if ex.meta("params", f"v{version}") is None:
+            ex.write_params(version, flat_params(policy))
+            ex.drop_params_before(version)  # the pending request (this one) reads `version`: the older are done
+        ex.write_request(step, version, np.asarray(jax.random.key_data(key)), rows)
+
+    def sample(self, step: int, version: int, policy, key: jax.Array, rows: dict[str, np.ndarray]):
+        """Step `step`'s rollout from the worker: (its `SampleOutput` as host arrays, the decode iterations)."""
+        from jopd.sampling.config import SampleOutput
+
+        rows = {"prompt_tokens": rows["prompt_tokens"], "prompt_mask": rows["prompt_mask"]}
+        self.write_request(step, version, policy, key, rows)
+        self.wait(step, version)
+        meta, fields = self.exchange.read("rollout", step)
+        # read once. The request goes first: a worker that lists the rollouts, then the requests, never finds
+        # this step's request without its rollout (and samples it again)
+        self.exchange.delete("request", step)
+        self.exchange.delete("rollout", step)
+        return SampleOutput(**fields), np.int32(meta["iterations"])
+
+    def wait(self, step: int, version: int) -> dict:
+        """Poll for step `step`'s rollout marker: restart a worker that has exited, raise a worker's own error,
+        and past `train.stall_timeout_s` stop naming the sampler process."""
+        timeout = self.cfg.train.stall_timeout_s
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        restarts, notices = 0, 0
+        while (meta := self.exchange.meta("rollout", step)) is None:
+            code = self.process.exitcode
+            if code is not None:
+                error = self.exchange.root / "error.txt"
+                if error.exists():
+                    raise RuntimeError(f"rollout.placement=process: the sampler process (pid {self.pid}) failed: "
+                                       f"{error.read_text().strip()}")
+                if restarts == RESTARTS:
+                    raise RuntimeError(f"rollout.placement=process: the sampler process exited {RESTARTS + 1} times "
+                                       f"while step {step}'s rollout was awaited (last pid {self.pid}, code {code})")
+                old = self.pid
+                self._start()
+                restarts += 1
+                self.restarts += 1
+                self.log(f"step {step}: the sampler process (pid {old}) exited with code {code}; restarted it "
+                         f"(pid {self.pid}) from params version {version} and the pending request")
+            if deadline is not None and time.monotonic() > deadline:
+                raise stall.stall_error(timeout, f"step {step}", f"the sampler process (pid {self.pid})")
+            if deadline is None and time.monotonic() - t0 > NOTICE_S * (notices + 1):
+                notices += 1
+                self.log(f"step {step}: waiting for the sampler process (pid {self.pid}) for "
+                         f"{NOTICE_S * notices:g} s (train.stall_timeout_s stops the run instead)")
+            time.sleep(POLL_S)
+        return meta
+
+    def close(self) -> None:
+        """Stop the worker and remove the exchange directory."""
+        if self.process is not None and self.process.exitcode is None:
+            self.process.terminate()
+            self.process.join(timeout=10)
+        self.process = None
+        import shutil
+
+        shutil.rmtree(self.exchange.root, ignore_errors=True)
+
+
+# -- the worker's side ------------------------------------------------------------------------------------------
+
+def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dict[str, str],
+                options: dict[str, Any]) -> None:
+    """The sampler process: the trainer's environment and jax options, its sampling side, then `serve`. An
+    exception is written to `<root>/error.txt` (one line) before the process exits. (jax is imported, but its
+    backend, which reads XLA_FLAGS and the options, starts only when the sampling side is built.)"""
+    os.environ.update(env)  # before jax's backend starts here (spawn passes them on too; explicit for clarity)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops this process
+    try:
+        for k, v in options.items():
+            jax.config.update(k, v)
+        serve(sampling_side(cfg, student_cfg, teacher_cfgs), Exchange(root), parent)
+    except Exception as e:  # noqa: BLE001 (one line for the trainer, the traceback on this process's stderr)
+        traceback.print_exc()
+        (Path(root) / "error.txt").write_text(f"{type(e).__name__}: {e}".splitlines()[0])
+        raise SystemExit(1) from None
+
+
+def sampling_side(cfg, student_cfg, teacher_cfgs):
+    """The step of `cfg`, colocated on this process's devices: only its weight sync and sampler are used (the
+    other stages are jit wrappers never called, so never compiled)."""
+    from jopd import parallel as meshlib
+    from jopd.opd.step import build_step
+
+    local = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated",
+                                                                 exchange_dir=None))
+    mesh = meshlib.make_mesh(local.mesh, jax.devices())
+    return build_step(local, student_cfg, teacher_cfgs, mesh)
+
+
+def serve(opd, ex: Exchange, parent: int) -> None:
+    """Answer the exchange's pending requests until the trainer (pid `parent`) is gone."""
+    from jopd.models import transformer
+    from jopd.models.dtypes import DTYPES
+
+    like = transformer.abstract_params(opd.student_cfg, DTYPES[opd.cfg.student.dtype])
+    loaded: tuple[int | None, Any] = (None, None)
+    while os.getppid() == parent:
+        step = ex.pending_request()
+        if step is None:
+            time.sleep(POLL_S)
+            continue
+        meta, rows = ex.read("request", step)
+        version = meta["version"]
+        if loaded[0] != version:  # the params version of this request (the last one the trainer wrote)
+            params = jax.device_put(unflat_params(ex.read_params(version), like), opd.shardings.student)
+            loaded = (version, params)
+        key = jax.device_put(jax.random.wrap_key_data(np.asarray(meta["key"], np.uint32)), opd.shardings.state.rng)
+        with jax.set_mesh(opd.mesh):  # the sampler's activation constraints, as in the trainer's loop
+            sample, iterations, _, _ = opd.sample_rows(opd.sync_policy(loaded[1], key), rows, step)
+        fields = {k: np.asarray(v) for k, v in jax.device_get(sample._asdict()).items() if v is not None}
+        ex.write_rollout(step, fields, int(jax.device_get(iterations)))

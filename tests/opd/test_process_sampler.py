@@ -1,0 +1,167 @@
+"""`rollout.placement=process` (`jopd.run.sampler_process`): the sampler in a worker process of its own, the params
+and rollouts exchanged as TensorStore arrays, samples exactly what the in-place k-lag mode samples for the same k
+(1) and trains to the same params; a worker killed with SIGKILL while a request is pending is restarted (logged)
+and the run ends as the uninterrupted one; bad configs are one-line errors."""
+
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from jopd.config_dataclass import ConfigError
+from jopd.data.pipeline import train_iterator
+from jopd.opd.step import OPDStep
+from jopd.run import exchange as exlib
+from jopd.run.loop import build
+from jopd.run.sampler_process import ProcessSampler
+from tests.opd.test_disaggregated import _config
+
+STEPS, K = 3, 1
+
+
+def _train(cfg, log=lambda *_: None):
+    """STEPS steps as the loop runs them: per step the rollout's tokens and the metrics; the final params; the
+    sampler process's client (closed) when there is one."""
+    run, state = build(cfg, log=log)
+    opd, data = run.step, train_iterator(cfg.data, run.tokenizer, kind="prompt")
+    tokens, metrics = [], []
+    try:
+        for t in range(STEPS):
+            with jax.set_mesh(opd.mesh):
+                state, m, rollout = opd(state, run.teacher_params, next(data), t)
+            tokens.append(np.asarray(rollout.sample.tokens_BxN))
+            metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
+    finally:
+        if opd.remote is not None:
+            opd.remote.close()
+    return jax.device_get((state.params, state.policies)), tokens, metrics, opd.remote
+
+
+@pytest.fixture(scope="module")
+def in_place(tmp_path_factory):
+    """The in-place k-lag mode (colocated, all 8 devices): the reference."""
+    return _train(_config(tmp_path_factory.mktemp("in_place"), f"rollout.staleness={K}"))
+
+
+def _assert_same_run(got, want):
+    (params, window), tokens, metrics, _ = got
+    (ref_params, ref_window), ref_tokens, ref_metrics, _ = want
+    for t in range(STEPS):  # the same row seeds, params and weight-noise key: the very same tokens
+        np.testing.assert_array_equal(tokens[t], ref_tokens[t], err_msg=f"step {t}")
+        assert metrics[t]["rollout_lag"] == ref_metrics[t]["rollout_lag"] == t - max(t - K, 0)
+        for key in ("loss", "mismatch_kl", "mismatch_kl_staleness"):  # the trainer's side: the same programs
+            np.testing.assert_allclose(metrics[t][key], ref_metrics[t][key], rtol=1e-6, atol=1e-9, err_msg=key)
+    assert ref_metrics[-1]["mismatch_kl_staleness"] > 1e-4  # the params moved: a lagged policy was sampled
+    for a, b in zip(jax.tree.leaves((params, window)), jax.tree.leaves((ref_params, ref_window))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_sampler_process_samples_and_trains_as_the_in_place_k_lag_mode(tmp_path, in_place, monkeypatch):
+    def not_here(*_):
+        raise AssertionError("sampled in the trainer's process")
+
+    monkeypatch.setattr(OPDStep, "sample_rows", not_here)  # this process's class only: the worker samples
+    cfg = _config(tmp_path, f"rollout.staleness={K}", "rollout.placement=process", "train.stall_timeout_s=300")
+    got = _train(cfg)
+    _assert_same_run(got, in_place)
+    client = got[3]
+    assert client.restarts == 0 and client.process is None  # closed: the worker stopped
+    assert not (tmp_path / "run" / "exchange").exists()  # and its exchange removed
+
+
+@pytest.mark.slow
+def test_a_killed_sampler_process_is_restarted_and_no_step_is_lost(tmp_path, in_place, monkeypatch):
+    """SIGKILL right after step 1's request is written (the worker may be reading it): the trainer sees the exit
+    while it polls, starts a new worker, which reads the last params version and the pending request."""
+    write, killed = ProcessSampler.write_request, []
+
+    def write_then_kill(self, step, *args):
+        write(self, step, *args)
+        if step == 1:
+            os.kill(self.pid, signal.SIGKILL)
+            killed.append(self.pid)
+
+    monkeypatch.setattr(ProcessSampler, "write_request", write_then_kill)
+    logs = []
+    cfg = _config(tmp_path, f"rollout.staleness={K}", "rollout.placement=process", "train.stall_timeout_s=300")
+    got = _train(cfg, log=logs.append)
+    _assert_same_run(got, in_place)
+    assert got[3].restarts == 1 and len(killed) == 1
+    restarted = [m for m in logs if "restarted" in m]
+    assert len(restarted) == 1 and f"the sampler process (pid {killed[0]}) exited" in restarted[0]
+    assert "from params version 0" in restarted[0]  # step 1 samples with step 0's params (k = 1): the last written
+
+
+def test_a_stalled_sampler_process_is_named_and_a_failed_one_is_not_restarted(tmp_path, monkeypatch):
+    """The worker is alive but never answers (stopped with SIGSTOP): past train.stall_timeout_s the trainer stops
+    with one line naming it by pid, instead of waiting silently; without the timeout it says so every NOTICE_S.
+    Let go (at the notice), the worker fails to build its sampler (it is given no student config): its own error
+    is raised in the trainer, with no restart."""
+    import dataclasses
+
+    from jopd.run import sampler_process, stall
+
+    logs = []
+
+    def log(line):
+        logs.append(line)
+        os.kill(client.pid, signal.SIGCONT)
+
+    cfg = _config(tmp_path, "rollout.placement=process", "train.stall_timeout_s=0.5")
+    client = ProcessSampler(cfg, None, (), log=log)
+    try:
+        os.kill(client.pid, signal.SIGSTOP)
+        ex = client.exchange
+        ex.write_request(0, 0, np.zeros(2, np.uint32), {"prompt_tokens": np.zeros((2, 3), np.int32)})
+        with pytest.raises(stall.StallError, match=rf"^train.stall_timeout_s=0.5: step 0: the sampler process "
+                                                   rf"\(pid {client.pid}\) has not finished after 0.5 s"):
+            client.wait(0, 0)
+        assert not logs
+        client.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stall_timeout_s=None))
+        monkeypatch.setattr(sampler_process, "NOTICE_S", 0.3)
+        with pytest.raises(RuntimeError, match=rf"^rollout.placement=process: the sampler process \(pid "
+                                               rf"{client.pid}\) failed: ValueError: build_step: one "
+                                               r"RunConfig.teacher"):
+            client.wait(0, 0)
+        assert logs[0] == f"step 0: waiting for the sampler process (pid {client.pid}) for 0.3 s " \
+                          f"(train.stall_timeout_s stops the run instead)"
+        assert client.restarts == 0
+    finally:
+        if client.process.exitcode is None:
+            os.kill(client.pid, signal.SIGCONT)
+        client.close()
+
+
+def test_the_exchange_publishes_whole_arrays_and_cleans_up(tmp_path):
+    ex = exlib.Exchange(tmp_path / "ex")
+    ex.clear()
+    rows = {"prompt_tokens": np.arange(6, dtype=np.int32).reshape(2, 3), "prompt_mask": np.ones((2, 3), bool)}
+    assert ex.pending_request() is None
+    ex.write_request(4, 2, np.array([1, 2], np.uint32), rows)
+    assert ex.pending_request() == 4
+    meta, got = ex.read("request", 4)
+    assert meta["version"] == 2 and meta["key"] == [1, 2]
+    for k in rows:
+        np.testing.assert_array_equal(got[k], rows[k])
+        assert got[k].dtype == rows[k].dtype
+    ex.write_rollout(4, {"tokens_BxN": np.ones((2, 5), np.int32)}, 7)
+    assert ex.pending_request() is None and ex.meta("rollout", 4)["iterations"] == 7
+    for v in (0, 1, 2):
+        ex.write_params(v, {"embed": np.full((2, 2), v, np.float32)})
+    ex.drop_params_before(2)
+    assert ex.names("params") == [2] and ex.read_params(2)["embed"][0, 0] == 2
+    ex.delete("request", 4)
+    assert ex.names("request") == [] and not (tmp_path / "ex" / "request" / "4").exists()
+
+
+def test_process_placement_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"^RunConfig.rollout.exchange_dir=/x: only with rollout.placement=process"):
+        _config(tmp_path, "rollout.exchange_dir=/x")
+    with pytest.raises(ConfigError, match=r"^RunConfig.rollout.exchange_dir=gs://b/x: a local directory"):
+        _config(tmp_path, "rollout.placement=process", "rollout.exchange_dir=gs://b/x")
+    with pytest.raises(ConfigError, match=r"^RunConfig.rollout.sampler_devices=2: only with "
+                                          r"rollout.placement=disaggregated"):
+        _config(tmp_path, "rollout.placement=process", "rollout.sampler_devices=2")
