@@ -1,6 +1,7 @@
 """Wall time per OPD step, the sampler on the trainer's devices (colocated) vs on devices of its own
-(`rollout.placement=disaggregated`), with and without staleness, in one run on 8 devices (8 simulated CPU devices
-here: `--xla_force_host_platform_device_count=8`).
+(`rollout.placement=disaggregated`) vs in a worker process of its own (`rollout.placement=process`: its own
+process and XLA runtime, the same 8 devices), with and without staleness, in one run on 8 devices (8 simulated
+CPU devices here: `--xla_force_host_platform_device_count=8`).
 
 Per setup: the median time of a step dispatched as `jopd train`'s loop dispatches it (step n+1 dispatched before
 step n's metrics are read: what lets the sampler's program of step n+1 run beside the update of step n), and, from
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,12 +42,14 @@ SETUPS = {  # name -> overrides
     "colocated k=1": ["rollout.staleness=1"],
     "disaggregated 4+4 k=0": ["rollout.staleness=0", *SPLIT],
     "disaggregated 4+4 k=1": ["rollout.staleness=1", *SPLIT],
+    "process k=0": ["rollout.staleness=0", "rollout.placement=process"],
+    "process k=1": ["rollout.staleness=1", "rollout.placement=process"],
 }
 
 
 class Bench:
-    def __init__(self, config: str, overrides: list[str]):
-        self.cfg = load_config(config, ["train.log_rollouts=0", *overrides])
+    def __init__(self, config: str, overrides: list[str], out_dir: Path):
+        self.cfg = load_config(config, ["train.log_rollouts=0", f"train.out_dir={out_dir}", *overrides])
         self.run, self.state = build(self.cfg, log=lambda *_: None)
         self.data = train_iterator(self.cfg.data, self.run.tokenizer, kind="prompt")
         self.t = 0
@@ -100,7 +104,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    benches = {name: Bench(args.config, over) for name, over in SETUPS.items()}
+    scratch = Path(tempfile.mkdtemp(prefix="jopd-disagg-"))  # the process placement's exchange directories
+    benches = {name: Bench(args.config, over, scratch / f"run{i}") for i, (name, over) in enumerate(SETUPS.items())}
     for b in benches.values():  # compile every program once
         b.loop_steps(2)
         b.stage_steps(2)
@@ -110,6 +115,9 @@ def main() -> None:
             b.loop_steps(args.steps)
             b.stage_steps(args.steps)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
+    for b in benches.values():
+        if b.run.step.remote is not None:  # the sampler processes end here
+            b.run.step.remote.close()
     rows = []
     for name, b in benches.items():
         step, ro, up = (float(np.median(x)) for x in (b.loop_s, b.rollout_s, b.update_s))
