@@ -23,7 +23,7 @@ from pathlib import Path
 
 CONFIG = "configs/qwen3_1p7b_from_8b_v5e.yaml"
 OVERRIDES = ["student.path=configs/arch/qwen2.5-0.5b-instruct", "teacher.path=configs/arch/qwen2.5-0.5b-instruct",
-             "mesh.data=-1", "mesh.fsdp=1"]
+             "mesh.data=-1", "mesh.fsdp=1", "sampling.mesh=null"]  # the sampler on the trainer's data-parallel mesh
 TARGET_S = 240.0
 
 
