@@ -22,8 +22,9 @@ def stage_rows(roofline: dict) -> list[str]:
         if s.get("error") or s.get("time_s") is None:
             rows.append(f"| {s['name']} | not costed: {s.get('error')} | | | | | | | |")
             continue
-        # disaggregated: a stage runs on its own side's chips
-        n = (own if s["name"] in sampler else chips - own) / roofline["devices_per_chip"] if own else chips
+        # disaggregated: a stage runs on its own side's chips (`sampler_devices` counts devices, not chips)
+        devices = chips * roofline["devices_per_chip"]
+        n = (own if s["name"] in sampler else devices - own) / roofline["devices_per_chip"] if own else chips
         mfu = s["model_flops"] / (n * peak * s["time_s"]) if s["time_s"] and s.get("model_flops") else 0.0
         passes = f" (+{s['extra_pass_flops'] / 1e9:,.0f})" if s.get("extra_pass_flops") else ""
         rows.append(f"| {s['name']} | {s['flops'] / 1e9:,.0f}{passes} | {s['bytes'] / 1e9:,.1f} | "

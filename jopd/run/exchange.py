@@ -47,14 +47,6 @@ def read_arrays(directory: Path, names) -> dict[str, np.ndarray]:
     return {n: np.asarray(r.result()) for n, r in reads.items()}
 
 
-def leaf_name(path) -> str:
-    """A params leaf's array name: its tree path's keys joined by '.' (e.g. `layers.attn.wq`)."""
-    parts = []
-    for k in path:
-        parts.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
-    return ".".join(parts)
-
-
 class Exchange:
     """The exchange directory `root` (see the module docstring)."""
 

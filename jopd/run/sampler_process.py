@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jopd.run import stall
-from jopd.run.exchange import Exchange, leaf_name
+from jopd.run.exchange import Exchange
 
 # jax options a worker takes from its trainer, set before its backend starts (a caller may set them in code, not in
 # the environment: the tests' matmul precision, for one): what devices it sees and how the sampler computes
@@ -48,8 +48,13 @@ def exchange_dir(cfg) -> Path:
     return Path(cfg.rollout.exchange_dir or Path(cfg.train.out_dir) / "exchange")
 
 
+def leaf_name(path) -> str:
+    """A params leaf's array name in the exchange: its tree path's keys joined by '.' (e.g. `layers.attn.wq`)."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
 def flat_params(params) -> dict[str, np.ndarray]:
-    """Host copies of `params`' leaves by tree path (`exchange.leaf_name`)."""
+    """Host copies of `params`' leaves by tree path (`leaf_name`)."""
     leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
     return {leaf_name(path): np.asarray(x) for path, x in leaves}
 
