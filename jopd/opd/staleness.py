@@ -49,7 +49,8 @@ class RolloutConfig:
     # exchanged as TensorStore arrays in `exchange_dir`; a worker that dies is restarted.
     placement: Literal["colocated", "disaggregated", "process"] = "colocated"
     sampler_devices: int = pydantic.Field(0, ge=0)  # disaggregated: how many devices the sampler gets
-    exchange_dir: str | None = None  # process: a local directory both sides reach (default <train.out_dir>/exchange)
+    # process: a local directory or gs://bucket/path both sides reach (default <train.out_dir>/exchange)
+    exchange_dir: str | None = None
 
 
 @flax.struct.dataclass

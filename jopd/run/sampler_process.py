@@ -2,8 +2,8 @@
 
 The trainer (`ProcessSampler`, set as `OPDStep.remote` by the loop's `build`) starts one worker (multiprocessing,
 spawn context: a fresh interpreter with the trainer's XLA_FLAGS / JAX_PLATFORMS and jax options) and talks to it
-only through the exchange directory (`run.exchange`: TensorStore arrays, atomic markers). Per step n it writes
-the params version v = n - k the step samples with (once per version: the fp32 params the weight sync reads),
+only through the exchange (`run.exchange`: a TensorStore kvstore, a local directory or `gs://`; zarr arrays, atomic
+markers). Per step n it writes the params version v = n - k the step samples with (once per version: the fp32 params the weight sync reads),
 then the request (the host prompt rows, v, and the weight-noise key `weight_sync_key(state.rng, v)`), and polls
 for the rollout. The worker builds the step's sampling side (`build_step` of the run's config, colocated on its
 own devices: only the weight sync and the sampler are ever compiled there) and loops: the pending request, its
@@ -43,9 +43,9 @@ POLL_S = 0.005
 NOTICE_S = 60.0  # without train.stall_timeout_s, a line per minute while a rollout is awaited: never silent
 
 
-def exchange_dir(cfg) -> Path:
-    """`rollout.exchange_dir`, default `<train.out_dir>/exchange`."""
-    return Path(cfg.rollout.exchange_dir or Path(cfg.train.out_dir) / "exchange")
+def exchange_dir(cfg) -> str:
+    """`rollout.exchange_dir` (a local directory or `gs://bucket/path`), default `<train.out_dir>/exchange`."""
+    return cfg.rollout.exchange_dir or str(Path(cfg.train.out_dir) / "exchange")
 
 
 def leaf_name(path) -> str:
@@ -79,7 +79,7 @@ class ProcessSampler:
         self.cfg, self.log = cfg, log
         self.exchange = Exchange(exchange_dir(cfg))
         self.exchange.clear()
-        self._args = (cfg, student_cfg, tuple(teacher_cfgs), str(self.exchange.root), os.getpid(),
+        self._args = (cfg, student_cfg, tuple(teacher_cfgs), self.exchange.root, os.getpid(),
                       {k: os.environ[k] for k in ENV if k in os.environ},
                       {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)})
         self.process = None
@@ -127,10 +127,10 @@ class ProcessSampler:
         while (meta := self.exchange.meta("rollout", step)) is None:
             code = self.process.exitcode
             if code is not None:
-                error = self.exchange.root / "error.txt"
-                if error.exists():
+                error = self.exchange.error()
+                if error is not None:
                     raise RuntimeError(f"rollout.placement=process: the sampler process (pid {self.pid}) failed: "
-                                       f"{error.read_text().strip()}")
+                                       f"{error.strip()}")
                 if restarts == RESTARTS:
                     raise RuntimeError(f"rollout.placement=process: the sampler process exited {RESTARTS + 1} times "
                                        f"while step {step}'s rollout was awaited (last pid {self.pid}, code {code})")
@@ -150,14 +150,12 @@ class ProcessSampler:
         return meta
 
     def close(self) -> None:
-        """Stop the worker and remove the exchange directory."""
+        """Stop the worker and delete the exchange's keys."""
         if self.process is not None and self.process.exitcode is None:
             self.process.terminate()
             self.process.join(timeout=10)
         self.process = None
-        import shutil
-
-        shutil.rmtree(self.exchange.root, ignore_errors=True)
+        self.exchange.clear()
 
 
 # -- the worker's side ------------------------------------------------------------------------------------------
@@ -165,7 +163,7 @@ class ProcessSampler:
 def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dict[str, str],
                 options: dict[str, Any]) -> None:
     """The sampler process: the trainer's environment and jax options, its sampling side, then `serve`. An
-    exception is written to `<root>/error.txt` (one line) before the process exits. (jax is imported, but its
+    exception is written to the exchange's `error.txt` (one line) before the process exits. (jax is imported, but its
     backend, which reads XLA_FLAGS and the options, starts only when the sampling side is built.)"""
     os.environ.update(env)  # before jax's backend starts here (spawn passes them on too; explicit for clarity)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops this process
@@ -175,7 +173,7 @@ def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dic
         serve(sampling_side(cfg, student_cfg, teacher_cfgs), Exchange(root), parent)
     except Exception as e:  # noqa: BLE001 (one line for the trainer, the traceback on this process's stderr)
         traceback.print_exc()
-        (Path(root) / "error.txt").write_text(f"{type(e).__name__}: {e}".splitlines()[0])
+        Exchange(root).write_error(f"{type(e).__name__}: {e}".splitlines()[0])
         raise SystemExit(1) from None
 
 

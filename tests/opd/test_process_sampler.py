@@ -88,7 +88,7 @@ def test_a_sampler_process_samples_as_the_in_place_mode_and_a_killed_one_is_rest
     assert len(restarted) == 1 and f"the sampler process (pid {killed[0]}) exited" in restarted[0]
     assert "from params version 0" in restarted[0]  # step 1 samples with step 0's params (k = 1): the last written
     assert client.process is None  # closed: the worker stopped
-    assert not (tmp_path / "run" / "exchange").exists()  # and its exchange removed
+    assert exlib.Exchange(tmp_path / "run" / "exchange").keys() == []  # and its exchange emptied
 
 
 def test_a_stalled_sampler_process_is_named_and_a_failed_one_is_not_restarted(tmp_path, monkeypatch):
@@ -131,11 +131,18 @@ def test_a_stalled_sampler_process_is_named_and_a_failed_one_is_not_restarted(tm
         client.close()
 
 
-def test_the_exchange_publishes_whole_arrays_and_cleans_up(tmp_path):
-    ex = exlib.Exchange(tmp_path / "ex")
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_the_exchange_publishes_whole_arrays_and_cleans_up(tmp_path, where):
+    """The whole exchange through TensorStore's kvstore, on a local directory (driver `file`) and in memory (driver
+    `memory`): arrays without their marker are not published; a published group reads back its arrays (values and
+    dtypes); stale params versions and read steps are deleted, arrays and marker; `clear` leaves no key."""
+    root = tmp_path / "ex" if where == "file" else f"memory://ex{os.getpid()}"
+    ex = exlib.Exchange(root)
     ex.clear()
     rows = {"prompt_tokens": np.arange(6, dtype=np.int32).reshape(2, 3), "prompt_mask": np.ones((2, 3), bool)}
     assert ex.pending_request() is None
+    ex.write_arrays("arrays/request/5/", rows)  # a request being written: its marker not yet
+    assert ex.pending_request() is None and ex.meta("request", 5) is None and ex.names("request") == []
     ex.write_request(4, 2, np.array([1, 2], np.uint32), rows)
     assert ex.pending_request() == 4
     meta, got = ex.read("request", 4)
@@ -145,19 +152,42 @@ def test_the_exchange_publishes_whole_arrays_and_cleans_up(tmp_path):
         assert got[k].dtype == rows[k].dtype
     ex.write_rollout(4, {"tokens_BxN": np.ones((2, 5), np.int32)}, 7)
     assert ex.pending_request() is None and ex.meta("rollout", 4)["iterations"] == 7
-    for v in (0, 1, 2):
+    for v in (0, 1, 2, 10):
         ex.write_params(v, {"embed": np.full((2, 2), v, np.float32)})
     ex.drop_params_before(2)
-    assert ex.names("params") == [2] and ex.read_params(2)["embed"][0, 0] == 2
+    assert ex.names("params") == [2, 10] and ex.read_params(2)["embed"][0, 0] == 2
+    assert not [k for k in ex.keys() if k.startswith(("arrays/params/v0/", "arrays/params/v1/"))]
     ex.delete("request", 4)
-    assert ex.names("request") == [] and not (tmp_path / "ex" / "request" / "4").exists()
+    assert ex.names("request") == [] and not [k for k in ex.keys() if k.startswith("arrays/request/4/")]
+    assert ex.error() is None
+    ex.write_error("ValueError: x")
+    assert ex.error() == "ValueError: x"
+    ex.clear()
+    assert ex.keys() == []
+    if where == "file":  # the kvstore's keys are the directory's files
+        assert not [p for p in (tmp_path / "ex").rglob("*") if p.is_file()]
+
+
+def test_the_exchange_kvstore_spec():
+    """`rollout.exchange_dir` as a kvstore spec, against TensorStore's own URL parser (gs:// is not opened: no bucket
+    is reachable here)."""
+    import tensorstore as ts
+
+    for url in ("gs://bkt/p", "gs://bkt/a/b/", "gs://bkt", "memory://ex"):  # a directory: its path ends in '/'
+        want = ts.KvStore.Spec(url if url.endswith("/") or url == "gs://bkt" else url + "/").to_json()
+        assert exlib.kvstore_spec(url) == want, url
+    assert exlib.kvstore_spec("rel/dir") == {"driver": "file", "path": os.path.abspath("rel/dir") + "/"}
+    with pytest.raises(ValueError, match="^exchange s3://b/p: a local directory"):
+        exlib.kvstore_spec("s3://b/p")
 
 
 def test_process_placement_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"^RunConfig.rollout.exchange_dir=/x: only with rollout.placement=process"):
         _config(tmp_path, "rollout.exchange_dir=/x")
-    with pytest.raises(ConfigError, match=r"^RunConfig.rollout.exchange_dir=gs://b/x: a local directory"):
-        _config(tmp_path, "rollout.placement=process", "rollout.exchange_dir=gs://b/x")
+    with pytest.raises(ConfigError, match=r"^RunConfig.rollout.exchange_dir=s3://b/x: a local directory or gs://"):
+        _config(tmp_path, "rollout.placement=process", "rollout.exchange_dir=s3://b/x")
+    cfg = _config(tmp_path, "rollout.placement=process", "rollout.exchange_dir=gs://bkt/x")  # accepted
+    assert exlib.kvstore_spec(cfg.rollout.exchange_dir) == {"driver": "gcs", "bucket": "bkt", "path": "x/"}
     with pytest.raises(ConfigError, match=r"^RunConfig.rollout.sampler_devices=2: only with "
                                           r"rollout.placement=disaggregated"):
         _config(tmp_path, "rollout.placement=process", "rollout.sampler_devices=2")
