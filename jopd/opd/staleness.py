@@ -51,6 +51,9 @@ class RolloutConfig:
     sampler_devices: int = pydantic.Field(0, ge=0)  # disaggregated: how many devices the sampler gets
     # process: a local directory or gs://bucket/path both sides reach (default <train.out_dir>/exchange)
     exchange_dir: str | None = None
+    # process: how many steps' requests the sampler process holds, this step's and the next queue - 1 (their params
+    # are the window's), so it samples ahead while the trainer trains; 1 <= queue <= staleness. 1: one at a time
+    queue: int = pydantic.Field(1, ge=1)
 
 
 @flax.struct.dataclass

@@ -8,7 +8,7 @@ through the kvstore (arrays, markers, listings, deletes), so one code path serve
 
     params/v<V>.json     the policy's fp32 params of version V (flattened by tree path)
     request/<n>.json     step n's host prompt rows; the marker: its params version and weight-noise key
-    rollout/<n>.json     step n's `SampleOutput` arrays; the marker: its decode iterations
+    rollout/<n>.json     step n's `SampleOutput` arrays; the marker: its decode iterations and the worker's pid
     error.txt            a worker's one-line error
 
 A reader that sees a marker reads whole arrays: the marker is one kvstore key, written once its arrays' writes have
@@ -20,8 +20,8 @@ and listing are strongly consistent (cloud.google.com/storage/docs/consistency).
 another spec (`kvstore_spec`); it has not been run against a bucket (no bucket is reachable from the machines this
 was built on). Deletes go marker first, arrays after: a marker is never found without its arrays.
 
-The trainer writes params and requests and deletes what no pending request needs; the sampler process writes
-rollouts (in step order: `pending_request`)."""
+The trainer writes params and requests (`rollout.queue` of them pending at most) and deletes what no unread
+request needs; the sampler process writes rollouts (in step order: `pending_request`)."""
 
 from __future__ import annotations
 
@@ -140,8 +140,9 @@ class Exchange:
         self._write("request", str(step), rows, {"step": step, "version": version,
                                                 "key": np.asarray(key_data).tolist()})
 
-    def write_rollout(self, step: int, fields: dict[str, np.ndarray], iterations: int) -> None:
-        self._write("rollout", str(step), fields, {"step": step, "iterations": iterations})
+    def write_rollout(self, step: int, fields: dict[str, np.ndarray], iterations: int, pid: int = 0) -> None:
+        """`pid`: the worker's (which worker answered, after a restart)."""
+        self._write("rollout", str(step), fields, {"step": step, "iterations": iterations, "pid": pid})
 
     def pending_request(self) -> int | None:
         """The first step with a request and no rollout yet (None: nothing to do). The rollouts are listed first:
