@@ -49,7 +49,11 @@ class RolloutConfig:
     # exchanged as TensorStore arrays in `exchange_dir`; a worker that dies is restarted.
     placement: Literal["colocated", "disaggregated", "process"] = "colocated"
     sampler_devices: int = pydantic.Field(0, ge=0)  # disaggregated: how many devices the sampler gets
-    exchange_dir: str | None = None  # process: a local directory both sides reach (default <train.out_dir>/exchange)
+    # process: a local directory or gs://bucket/path both sides reach (default <train.out_dir>/exchange)
+    exchange_dir: str | None = None
+    # process: how many steps' requests the sampler process holds, this step's and the next queue - 1 (their params
+    # are the window's), so it samples ahead while the trainer trains; 1 <= queue <= staleness. 1: one at a time
+    queue: int = pydantic.Field(1, ge=1)
 
 
 @flax.struct.dataclass

@@ -386,12 +386,26 @@ class OPDStep:
         # the full-vocabulary kinds route to one teacher (`build_step`): its head
         return self.update_fn(state, batch, head_params(teacher_params[self.routing.scorer]))
 
+    def queue_requests(self, state: TrainState, batches, step: int) -> None:
+        """The sampler process's requests (`rollout.queue`) of steps `step`, `step` + 1, ... (one per prompt batch
+        of `batches`, in step order), each with the window's params of its step (step + j samples with step
+        + j - k's, the window's j-th while j < k) and its weight-noise key; those written before are kept."""
+        for j, batch in enumerate(batches):
+            version = stale.policy_step(step + j, self.staleness)
+            self.remote.request(step + j, version, state.policies[j], weight_sync_key(state.rng, version),
+                                self.host_rows(batch))
+
     def __call__(self, state: TrainState, teacher_params, batch: dict[str, np.ndarray], step: int,
-                 reference_params=None):
+                 reference_params=None, ahead=()):
         """rollout -> score -> `rl.inner_updates` updates on the scored batch, dispatched back to back.
         Returns (state, metrics, rollout); metrics as `inner_update_metrics`. With `rollout.staleness` = k > 0
         the rollout samples with the window's oldest params (step n - k's), the staleness split is measured
-        (train.mismatch=exact), this step's params enter the window, and `rollout_lag` is logged."""
+        (train.mismatch=exact), this step's params enter the window, and `rollout_lag` is logged. `ahead`: the
+        prompt batches of the next steps (at most `rollout.queue` - 1 are read): with a sampler process their
+        requests are queued now, so it samples them while this step trains."""
+        ahead = tuple(ahead)[:self.cfg.rollout.queue - 1]
+        if ahead and self.remote is not None:
+            self.queue_requests(state, (batch, *ahead), step)
         if not self.staleness:
             rollout = self.rollout(state, batch, step)
             train_batch = self.score(teacher_params, rollout, reference_params)

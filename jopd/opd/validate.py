@@ -68,9 +68,15 @@ def check_run(cfg: "RunConfig") -> None:
                           f"rollout.placement=disaggregated")
     if cfg.rollout.exchange_dir is not None and cfg.rollout.placement != "process":
         raise ConfigError(f"rollout.exchange_dir={cfg.rollout.exchange_dir}: only with rollout.placement=process")
-    if cfg.rollout.exchange_dir is not None and "://" in cfg.rollout.exchange_dir:
-        raise ConfigError(f"rollout.exchange_dir={cfg.rollout.exchange_dir}: a local directory (the exchange's "
-                          f"markers are renamed into place with os.replace; a bucket is not built)")
+    where = cfg.rollout.exchange_dir
+    if where is not None and "://" in where and not (where.startswith("gs://") and where[5:].strip("/")):
+        raise ConfigError(f"rollout.exchange_dir={where}: a local directory or gs://bucket/path (a TensorStore "
+                          f"kvstore both processes open: `run.exchange`)")
+    if cfg.rollout.queue > 1 and cfg.rollout.placement != "process":
+        raise ConfigError(f"rollout.queue={cfg.rollout.queue}: only with rollout.placement=process")
+    if cfg.rollout.queue > max(lag, 1):
+        raise ConfigError(f"rollout.queue={cfg.rollout.queue}: at most rollout.staleness={lag} (step n+j's request "
+                          f"samples with step n+j-k's params, known at step n only for j < k)")
     if cfg.rollout.placement == "process" and cfg.loss.cross_tokenizer != "off":
         raise ConfigError(f"rollout.placement=process: not with loss.kind={cfg.loss.kind} (a teacher with another "
                           f"tokenizer: its alignment objects are not sent to the sampler process)")

@@ -24,6 +24,7 @@ from jopd.losses.compute import per_task_means
 from jopd.run.checkpoint import Checkpointer, PreemptionGuard
 from jopd.run.evaluate import compare_table, evaluate_heldout
 from jopd.run import stall
+from jopd.run.lookahead import Lookahead
 from jopd.run.sampler_process import ProcessSampler
 from jopd.run.guards import RunGuard, loggable
 from jopd.run.metrics_log import MetricsWriter, plot_curves
@@ -220,11 +221,15 @@ def _train_built(cfg: RunConfig, run: OPDRun, state: TrainState, out_dir: Path, 
 
     step = start
     stopped = None
+    # rollout.queue > 1: the next steps' prompt batches, their requests sent to the sampler process early
+    lookahead = (Lookahead(train_iterator(cfg.data, run.tokenizer, kind="prompt"), data_it, cfg.rollout.queue - 1)
+                 if opd.remote is not None and cfg.rollout.queue > 1 else None)
     with PreemptionGuard() as guard:
         for step in bar:
             batch = next(data_it)
+            ahead = lookahead.ahead()[:cfg.train.steps - step - 1] if lookahead else ()
             with jax.set_mesh(opd.mesh):  # activations' batch constraints (transformer.constrain_batch)
-                state, metrics, rollout = opd(state, run.teacher_params, batch, step, run.reference_params)
+                state, metrics, rollout = opd(state, run.teacher_params, batch, step, run.reference_params, ahead)
             # the [B,N,V] sampler log-softmax (mismatch=exact) is freed now, not held through the next rollout
             rollout = rollout.without_full_logprobs()
             if pending is not None:

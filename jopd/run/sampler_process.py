@@ -2,17 +2,22 @@
 
 The trainer (`ProcessSampler`, set as `OPDStep.remote` by the loop's `build`) starts one worker (multiprocessing,
 spawn context: a fresh interpreter with the trainer's XLA_FLAGS / JAX_PLATFORMS and jax options) and talks to it
-only through the exchange directory (`run.exchange`: TensorStore arrays, atomic markers). Per step n it writes
-the params version v = n - k the step samples with (once per version: the fp32 params the weight sync reads),
-then the request (the host prompt rows, v, and the weight-noise key `weight_sync_key(state.rng, v)`), and polls
-for the rollout. The worker builds the step's sampling side (`build_step` of the run's config, colocated on its
-own devices: only the weight sync and the sampler are ever compiled there) and loops: the pending request, its
-params version (loaded once), `OPDStep.sync_policy`, `OPDStep.sample_rows` (step n's row randomness), the
-rollout's arrays. The trainer turns them into the very `Rollout` the in-place mode makes (`OPDStep.rollout`).
+only through the exchange (`run.exchange`: a TensorStore kvstore, a local directory or `gs://`; zarr arrays, atomic
+markers). Per step n it writes the params version v = n - k the step samples with (once per version: the fp32
+params the weight sync reads), then the request (the host prompt rows, v, and the weight-noise key
+`weight_sync_key(state.rng, v)`), and polls for the rollout. With `rollout.queue` = q > 1 (q <= k) it also writes
+the requests of steps n+1 .. n+q-1 at step n (`OPDStep.queue_requests`: their params are the window's, their
+prompt batches the loop's `Lookahead`), so the worker samples them while the trainer trains; each request is
+written once. The worker builds the step's sampling side (`build_step` of the run's config, colocated on its own
+devices: only the weight sync and the sampler are ever compiled there) and loops: the first pending request (step
+order), its params version (loaded once), `OPDStep.sync_policy`, `OPDStep.sample_rows` (step n's row randomness),
+the rollout's arrays. The trainer turns them into the very `Rollout` the in-place mode makes (`OPDStep.rollout`).
+A read step's request and rollout are deleted, and the params versions no unread request reads.
 
-A worker that exits (killed, crashed) is seen while the trainer polls: it is restarted and reads the last params
-written and the pending request, so no step is lost or sampled twice (a rollout is read only once its marker is
-whole). A worker that raises writes its one-line error first: that is raised in the trainer, not restarted. With
+A worker that exits (killed, crashed) is seen while the trainer polls: it is restarted and answers the pending
+requests (in the store: a queue survives it) with the params versions they read, so no step is lost or sampled
+twice (a rollout is read only once its marker is whole; a step with a rollout is not pending). A worker that
+raises writes its one-line error first: that is raised in the trainer, not restarted. With
 `train.stall_timeout_s` a rollout not written in time stops the run naming the sampler process and its pid.
 The worker exits when the trainer does (it watches its parent's pid)."""
 
@@ -43,9 +48,9 @@ POLL_S = 0.005
 NOTICE_S = 60.0  # without train.stall_timeout_s, a line per minute while a rollout is awaited: never silent
 
 
-def exchange_dir(cfg) -> Path:
-    """`rollout.exchange_dir`, default `<train.out_dir>/exchange`."""
-    return Path(cfg.rollout.exchange_dir or Path(cfg.train.out_dir) / "exchange")
+def exchange_dir(cfg) -> str:
+    """`rollout.exchange_dir` (a local directory or `gs://bucket/path`), default `<train.out_dir>/exchange`."""
+    return cfg.rollout.exchange_dir or str(Path(cfg.train.out_dir) / "exchange")
 
 
 def leaf_name(path) -> str:
@@ -79,11 +84,13 @@ class ProcessSampler:
         self.cfg, self.log = cfg, log
         self.exchange = Exchange(exchange_dir(cfg))
         self.exchange.clear()
-        self._args = (cfg, student_cfg, tuple(teacher_cfgs), str(self.exchange.root), os.getpid(),
+        self._args = (cfg, student_cfg, tuple(teacher_cfgs), self.exchange.root, os.getpid(),
                       {k: os.environ[k] for k in ENV if k in os.environ},
                       {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)})
         self.process = None
         self.restarts = 0  # over the run
+        self.unread: dict[int, int] = {}  # step -> params version: the requests written, their rollout not read yet
+        self.sampled_by: dict[int, int] = {}  # step -> the pid of the worker that wrote its rollout (read ones)
         self._start()
 
     def _start(self) -> None:
@@ -96,25 +103,37 @@ class ProcessSampler:
         return self.process.pid
 
     def write_request(self, step: int, version: int, policy, key: jax.Array, rows: dict[str, np.ndarray]) -> None:
-        """Step `step`'s request: params `version` first (unless written), then the request's rows and marker."""
+        """Step `step`'s request: params `version` first (unless written), then the request's rows and marker; then
+        the params versions no unread request reads are deleted."""
         ex = self.exchange
         if ex.meta("params", f"v{version}") is None:
             ex.write_params(version, flat_params(policy))
-            ex.drop_params_before(version)  # the pending request (this one) reads `version`: the older are done
+        rows = {"prompt_tokens": rows["prompt_tokens"], "prompt_mask": rows["prompt_mask"]}
         ex.write_request(step, version, np.asarray(jax.random.key_data(key)), rows)
+        self.unread[step] = version
+        ex.drop_params_before(min(self.unread.values()))
+
+    def request(self, step: int, version: int, policy, key: jax.Array, rows: dict[str, np.ndarray]) -> None:
+        """`write_request` unless step `step`'s request is written already (queued ahead: `rollout.queue`)."""
+        if step not in self.unread:
+            self.write_request(step, version, policy, key, rows)
 
     def sample(self, step: int, version: int, policy, key: jax.Array, rows: dict[str, np.ndarray]):
-        """Step `step`'s rollout from the worker: (its `SampleOutput` as host arrays, the decode iterations)."""
+        """Step `step`'s rollout from the worker (requested now unless queued before): (its `SampleOutput` as host
+        arrays, the decode iterations)."""
         from jopd.sampling.config import SampleOutput
 
-        rows = {"prompt_tokens": rows["prompt_tokens"], "prompt_mask": rows["prompt_mask"]}
-        self.write_request(step, version, policy, key, rows)
+        self.request(step, version, policy, key, rows)
         self.wait(step, version)
         meta, fields = self.exchange.read("rollout", step)
         # read once. The request goes first: a worker that lists the rollouts, then the requests, never finds
         # this step's request without its rollout (and samples it again)
         self.exchange.delete("request", step)
         self.exchange.delete("rollout", step)
+        del self.unread[step]
+        self.sampled_by[step] = meta["pid"]
+        if self.unread:  # the versions the queued requests read stay
+            self.exchange.drop_params_before(min(self.unread.values()))
         return SampleOutput(**fields), np.int32(meta["iterations"])
 
     def wait(self, step: int, version: int) -> dict:
@@ -127,10 +146,10 @@ class ProcessSampler:
         while (meta := self.exchange.meta("rollout", step)) is None:
             code = self.process.exitcode
             if code is not None:
-                error = self.exchange.root / "error.txt"
-                if error.exists():
+                error = self.exchange.error()
+                if error is not None:
                     raise RuntimeError(f"rollout.placement=process: the sampler process (pid {self.pid}) failed: "
-                                       f"{error.read_text().strip()}")
+                                       f"{error.strip()}")
                 if restarts == RESTARTS:
                     raise RuntimeError(f"rollout.placement=process: the sampler process exited {RESTARTS + 1} times "
                                        f"while step {step}'s rollout was awaited (last pid {self.pid}, code {code})")
@@ -138,8 +157,10 @@ class ProcessSampler:
                 self._start()
                 restarts += 1
                 self.restarts += 1
+                pending = ", ".join(map(str, sorted(self.unread)))
                 self.log(f"step {step}: the sampler process (pid {old}) exited with code {code}; restarted it "
-                         f"(pid {self.pid}) from params version {version} and the pending request")
+                         f"(pid {self.pid}) from params version {version} and the pending requests (steps "
+                         f"{pending})")
             if deadline is not None and time.monotonic() > deadline:
                 raise stall.stall_error(timeout, f"step {step}", f"the sampler process (pid {self.pid})")
             if deadline is None and time.monotonic() - t0 > NOTICE_S * (notices + 1):
@@ -150,14 +171,12 @@ class ProcessSampler:
         return meta
 
     def close(self) -> None:
-        """Stop the worker and remove the exchange directory."""
+        """Stop the worker and delete the exchange's keys."""
         if self.process is not None and self.process.exitcode is None:
             self.process.terminate()
             self.process.join(timeout=10)
         self.process = None
-        import shutil
-
-        shutil.rmtree(self.exchange.root, ignore_errors=True)
+        self.exchange.clear()
 
 
 # -- the worker's side ------------------------------------------------------------------------------------------
@@ -165,7 +184,7 @@ class ProcessSampler:
 def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dict[str, str],
                 options: dict[str, Any]) -> None:
     """The sampler process: the trainer's environment and jax options, its sampling side, then `serve`. An
-    exception is written to `<root>/error.txt` (one line) before the process exits. (jax is imported, but its
+    exception is written to the exchange's `error.txt` (one line) before the process exits. (jax is imported, but its
     backend, which reads XLA_FLAGS and the options, starts only when the sampling side is built.)"""
     os.environ.update(env)  # before jax's backend starts here (spawn passes them on too; explicit for clarity)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops this process
@@ -175,7 +194,7 @@ def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dic
         serve(sampling_side(cfg, student_cfg, teacher_cfgs), Exchange(root), parent)
     except Exception as e:  # noqa: BLE001 (one line for the trainer, the traceback on this process's stderr)
         traceback.print_exc()
-        (Path(root) / "error.txt").write_text(f"{type(e).__name__}: {e}".splitlines()[0])
+        Exchange(root).write_error(f"{type(e).__name__}: {e}".splitlines()[0])
         raise SystemExit(1) from None
 
 
@@ -186,13 +205,13 @@ def sampling_side(cfg, student_cfg, teacher_cfgs):
     from jopd.opd.step import build_step
 
     local = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated",
-                                                                 exchange_dir=None))
+                                                                 exchange_dir=None, queue=1))
     mesh = meshlib.make_mesh(local.mesh, jax.devices())
     return build_step(local, student_cfg, teacher_cfgs, mesh)
 
 
 def serve(opd, ex: Exchange, parent: int) -> None:
-    """Answer the exchange's pending requests until the trainer (pid `parent`) is gone."""
+    """Answer the exchange's pending requests, in step order, until the trainer (pid `parent`) is gone."""
     from jopd.models import transformer
     from jopd.models.dtypes import DTYPES
 
@@ -212,4 +231,4 @@ def serve(opd, ex: Exchange, parent: int) -> None:
         with jax.set_mesh(opd.mesh):  # the sampler's activation constraints, as in the trainer's loop
             sample, iterations, _, _ = opd.sample_rows(opd.sync_policy(loaded[1], key), rows, step)
         fields = {k: np.asarray(v) for k, v in jax.device_get(sample._asdict()).items() if v is not None}
-        ex.write_rollout(step, fields, int(jax.device_get(iterations)))
+        ex.write_rollout(step, fields, int(jax.device_get(iterations)), os.getpid())
