@@ -15,7 +15,9 @@ compute/HBM bound plus its collectives, not overlapped; and with them overlapped
 tokens/s per chip and MFU. The cost programs (one prefill and one decode step; the scoring and the update each as
 one program with its layers and loss chunks unrolled; the sampler program of the memory pass reused for the
 prefill) take longer to compile than the stages themselves (timings in docs/performance.md): --no-cost skips them,
---stages compiles and costs only the stages named.
+--stages compiles and costs only the stages named. Every program is lowered first, then compiled on
+--compile-threads threads (default: the cores, at most 4), the largest first, the memory pass's and the cost
+programs side by side (a TPU compile runs mostly on one core).
 
 With rollout.placement=disaggregated (and rollout.sampler_devices=N) it sizes the split: the weight sync and the
 sampler on the first N devices of the topology, scoring and the update on the rest, each stage's memory per device
@@ -58,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "predicted weight sync and sample s, rollout tok/s per chip) with the fastest that fits marked")
     p.add_argument("--hbm-gib", type=float, default=None,
                    help="HBM per device in GiB (default: from the device kind; unknown kinds are not checked)")
+    p.add_argument("--compile-threads", type=int, default=None, metavar="N",
+                   help="programs compiled at once (default: the cores this process may use, at most 4): the memory "
+                        "pass's stages and the cost programs compile side by side, the largest first; each large "
+                        "compile holds GBs of host memory")
     p.add_argument("--no-cost", action="store_true",
                    help="with --topology: skip the roofline (XLA's cost analysis and collectives of loop-free "
                         "cost programs, the predicted step time, rollout tokens/s per chip, MFU): the scoring and "
@@ -86,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     devices = topology_devices(args.topology) if args.topology else None
     options = {"target": args.topology or "local", "stages": stages,
                "hbm_bytes": None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30)),
-               "progress": sys.stderr.isatty(), "cost": args.topology is not None and not args.no_cost}
+               "progress": sys.stderr.isatty(), "cost": args.topology is not None and not args.no_cost,
+               "compile_threads": args.compile_threads}
     if layouts is not None:
         rows = compare_sampler_layouts(cfg, layouts, devices, **options)
         for row in rows:

@@ -19,11 +19,12 @@ lowered with the same shardings, each compiled once and multiplied by how often 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-from tqdm.auto import tqdm
 
 from jopd import parallel as meshlib
 from jopd.config_dataclass import ConfigError, build
@@ -31,7 +32,8 @@ from jopd.opd import placement, validate
 from jopd.opd.resolve import rollouts_per_prompt
 from jopd.opd.step import build_step
 from jopd.run.config import RunConfig
-from jopd.sizing.cost import predict_step
+from jopd.sizing.compile_pool import CompilePool
+from jopd.sizing.cost import predict_step, submit_cost_programs
 from jopd.sizing.arch import cross_tokenizers, model_config_of, param_count, sizing_crosses
 from jopd.sizing.report import AotReport, LayoutRow, StageMemory, StageReport
 from jopd.sizing.roofline import Cost
@@ -53,11 +55,14 @@ STAGES: tuple[str, ...] = ("weight_sync", "sample", "teacher_scoring", "train_st
 
 def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, target: str = "local",
                      stages: Sequence[str] = STAGES, hbm_bytes: int | None = None,
-                     progress: bool = True, cost: bool = False, chip: str | None = None) -> AotReport:
+                     progress: bool = True, cost: bool = False, chip: str | None = None,
+                     compile_threads: int | None = None) -> AotReport:
     """Compile the requested stages of one OPD step of `cfg` for `devices` (default: the local devices) and
     report per-device memory. `hbm_bytes` overrides the HBM budget per device (default: `HBM_GIB_PER_CHIP`).
     `cost`: also compile the cost programs and predict the step's time on `chip` (default: the devices' chip,
-    `roofline.CHIP_PEAKS`)."""
+    `roofline.CHIP_PEAKS`). `compile_threads`: programs compiled at once (`compile_pool`; default: the cores, at
+    most 4)."""
+    start = time.perf_counter()
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ValueError(f"stages: unknown {unknown} (choose from {', '.join(STAGES)})")
@@ -80,19 +85,33 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
     on_sampler = sampler_side(step)
     count = {name: len(own_devices) if name in on_sampler else len(trainer_devices) for name in STAGES}
 
-    reports = []
-    bar = tqdm([s for s in STAGES if s in stages], desc=f"AOT compile ({target})", disable=not progress,
-               dynamic_ncols=True, leave=False)
-    for name in bar:
-        bar.set_postfix_str(name)
-        lower, resident = programs[name]
-        kept = []  # the lowered program: its StableHLO gives the fp32 matmuls' MXU passes (`Cost.of`)
-        # activations' batch constraints (transformer.constrain_batch) need the mesh: the sampler's for its program
-        with jax.set_mesh(step.sampler_mesh if name == "sample" or name in on_sampler else mesh):
-            compiled, secs, error = compile_stage(name, lambda lower=lower: kept.append(lower()) or kept[-1])
-        text = kept[-1].as_text() if kept and compiled is not None and chip is not None else None
-        reports.append(StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, secs,
-                                   error, None if compiled is None else Cost.of(compiled, text, count[name])))
+    wanted = [s for s in STAGES if s in stages]
+    with CompilePool(compile_threads) as pool:
+        # every program lowered here (tracing needs the mesh), then compiled on the pool's threads, the largest
+        # first: the memory pass's stages and the cost programs side by side
+        for name in wanted:
+            lower, resident = programs[name]
+            t0 = time.perf_counter()
+            # activations' batch constraints (transformer.constrain_batch) need the mesh: the sampler's for its program
+            stage_mesh = step.sampler_mesh if name == "sample" or name in on_sampler else mesh
+            with jax.set_mesh(stage_mesh):
+                lowered = lower()
+            # the StableHLO text orders the pool, and gives the fp32 matmuls' MXU passes (`Cost.of`)
+            text = lowered.as_text()
+            pool.add(name, len(text), functools.partial(_memory_report, name, lowered, text if chip else None,
+                                                        resident, count[name], stage_mesh,
+                                                        time.perf_counter() - t0))
+        jobs = None
+        if chip is not None:  # the memory pass's sampler program stands for the prefill (a MoE student's: not)
+            jobs = submit_cost_programs(step, inputs, wanted, pool,
+                                        sampler="sample" in wanted and not s_cfg.sparse_layers)
+        pool.run()
+        done = pool.wait(wanted, f"AOT compile ({target}, {pool.threads} at once)", progress)
+        reports = [done[name] for name in wanted]
+        roofline = None
+        if chip is not None:
+            roofline = predict_step(step, inputs, reports, chip, len(devices), devices_per_chip(devices),
+                                    progress=progress, pool=pool, jobs=jobs)
 
     models = {role: {"family": m.family, "params": param_count(m), "dtype": src.dtype,
                      "source": src.path or "testbed arch", "layers": m.num_layers, "hidden": m.hidden_size,
@@ -113,17 +132,23 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
         if pairs:
             shapes["xtok_pairs"] = next(iter(pairs.values())) if not cfg.teachers else \
                 ", ".join(f"{k}: {v}" for k, v in pairs.items())
-    roofline = None
-    if chip is not None:
-        roofline = predict_step(step, inputs, reports, chip, len(devices), devices_per_chip(devices),
-                                progress=progress)
     return AotReport(target=target, device_kind=devices[0].device_kind, num_devices=len(devices),
                      devices_per_chip=devices_per_chip(devices),
                      hbm_per_device=hbm_bytes if hbm_bytes is not None else hbm_bytes_per_device(devices),
                      mesh=dict(mesh.shape), models=models, shapes=shapes, buffers=buffers, stages=reports,
                      roofline=roofline,
                      sampler_mesh=dict(step.sampler_mesh.shape) if step.shardings.own_sampler_layout else None,
-                     sampler_devices=len(own_devices) if on_sampler else 0)
+                     sampler_devices=len(own_devices) if on_sampler else 0,
+                     compile_threads=pool.threads, wall_s=time.perf_counter() - start)
+
+
+def _memory_report(name: str, lowered, text: str | None, resident: dict[str, int], devices: int, stage_mesh,
+                   lower_s: float) -> StageReport:
+    """One stage's compile (on a pool thread): its memory, and with `text` its looped program's cost."""
+    with jax.set_mesh(stage_mesh):
+        compiled, secs, error = compile_stage(name, lambda: lowered)
+    return StageReport(name, None if compiled is None else StageMemory.of(compiled), resident, lower_s + secs, error,
+                       None if compiled is None else Cost.of(compiled, text, devices))
 
 
 # -- the sampler's layout: one report per candidate mesh (`sampling.mesh`) -------------------------------------

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-from tqdm.auto import tqdm
 
 from jopd.models import moe, transformer
 from jopd.models.dtypes import DTYPES
@@ -28,6 +27,7 @@ from jopd.sizing.stages import (StepInputs, abstract, bytes_per_device, compile_
                                 step_inputs, sync_inputs, update_state)
 from jopd.opd.batch import scoring_input
 from jopd.opd.resolve import teacher_compute_dtype
+from jopd.sizing.compile_pool import CompilePool
 from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_cost
 from jopd.sizing.moe_cost import expert_cost
 from jopd.sizing.roofline import CHIP_PEAKS, F32_PASSES, Cost, Part, Roofline, StageCost, loop_notes, model_flops
@@ -283,39 +283,84 @@ def _token_keys(step: OPDStep) -> tuple[str, ...]:
 # the prediction
 
 
-def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport], chip: str, num_devices: int,
-                 per_chip: int = 1, progress: bool = False) -> Roofline:
-    """Compile the cost programs of the reported stages (each loop-free program once, whichever parts share it)
-    and predict the step on `chip` (`roofline.Roofline`); the weight sync's cost is its own (loop-free) program's,
-    from `reports`."""
-    t0 = time.perf_counter()
-    sampler = next((r.cost for r in reports if r.name == "sample" and r.cost is not None), None)
-    # the sampler program compiled for memory runs a MoE student's real grouped matmuls: not a cost program then
-    programs = cost_programs(step, ins, sampler=sampler is not None and not step.student_cfg.sparse_layers)
-    options = _cost_options(step.mesh)
-    wanted = [p for r in reports for p in programs.parts.get(r.name, ())]
-    compiled: dict[str, tuple[Cost | None, float, str | None]] = {SAMPLER: (sampler, 0.0, None)}
-    keys = [k for k in dict.fromkeys(k for p in wanted for _, k in p.terms) if k not in compiled]
-    on_sampler = sampler_side(step)  # disaggregated: the rollout's programs run on the sampler's own devices
-    own, trainer = len(step.sampler_mesh.devices.flat), len(step.mesh.devices.flat)
-    def compile_all(keys, desc):
-        bar = tqdm(keys, desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
-        for k in bar:
-            bar.set_postfix_str(k)
-            rollout_program = k.split(" ", 1)[0] in ("prefill", "decode")
-            compiled[k] = _compile_cost(step.mesh, programs.lower[k],
-                                        own if on_sampler and rollout_program else trainer, options)
+@dataclasses.dataclass
+class CostJobs:
+    """The cost programs of some stages, queued on a `CompilePool` (`submit_cost_programs`)."""
 
-    compile_all(keys, "cost programs")
-    # a stage whose chunks unrolled the compiler refused (memory): its chunk loop kept, the body derived
-    refused = {}
-    for report in reports:
-        errors = [compiled[k][2] for p in programs.parts.get(report.name, ()) for _, k in p.terms if compiled[k][2]]
-        if errors and report.name in programs.fallback:
-            refused[report.name] = errors[0]
-            programs.parts[report.name] = programs.fallback[report.name]
-    compile_all([k for k in dict.fromkeys(k for s in refused for p in programs.parts[s] for _, k in p.terms)
-                 if k not in compiled], "cost programs (chunk loops)")
+    programs: Programs
+    keys: list[str]  # the queued programs (`Programs.lower`'s keys)
+    sampler: bool  # the memory pass's sampler program stands for the prefill (key `SAMPLER`, not queued)
+
+
+def submit_cost_programs(step: OPDStep, ins: StepInputs, stages: Sequence[str], pool: CompilePool,
+                         sampler: bool) -> CostJobs:
+    """Lower the cost programs of `stages` (here: tracing needs the mesh) and queue their compiles on `pool`; with
+    `sampler`, the memory pass's sampler program is reused for the prefill (`cost_programs`)."""
+    programs = cost_programs(step, ins, sampler=sampler)
+    keys = [k for k in dict.fromkeys(k for s in stages for p in programs.parts.get(s, ()) for _, k in p.terms)
+            if k != SAMPLER]
+    for k in keys:
+        _queue_cost(step, programs, k, pool)
+    return CostJobs(programs, keys, sampler)
+
+
+def _queue_cost(step: OPDStep, programs: Programs, key: str, pool: CompilePool) -> None:
+    """One loop-free program lowered and queued: its job returns (cost, lowering + compile seconds, the
+    compiler's refusal)."""
+    on_sampler = sampler_side(step)  # disaggregated: the rollout's programs run on the sampler's own devices
+    rollout_program = key.split(" ", 1)[0] in ("prefill", "decode")
+    devices = len((step.sampler_mesh if on_sampler and rollout_program else step.mesh).devices.flat)
+    t0 = time.perf_counter()
+    lowered = programs.lower[key]()
+    text = lowered.as_text()
+    lower_s = time.perf_counter() - t0
+
+    def job():
+        with jax.set_mesh(step.mesh):
+            compiled, secs, error = compile_stage("cost program", lambda: lowered, _cost_options(step.mesh))
+        return None if compiled is None else Cost.of(compiled, text, devices), lower_s + secs, error
+
+    pool.add(key, len(text), job)
+
+
+def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport], chip: str, num_devices: int,
+                 per_chip: int = 1, progress: bool = False, pool: CompilePool | None = None,
+                 jobs: CostJobs | None = None) -> Roofline:
+    """Predict the step on `chip` (`roofline.Roofline`) from the cost programs of the reported stages (each
+    loop-free program compiled once, whichever parts share it): `jobs` already queued on `pool` (`jopd aot`
+    compiles them beside the memory pass), or compiled here. The weight sync's cost is its own (loop-free)
+    program's, from `reports`."""
+    sampler = next((r.cost for r in reports if r.name == "sample" and r.cost is not None), None)
+    with contextlib.ExitStack() as stack:
+        pool = pool or stack.enter_context(CompilePool(1))
+        if jobs is None:
+            # the sampler program compiled for memory runs a MoE student's real grouped matmuls: not a cost program
+            jobs = submit_cost_programs(step, ins, [r.name for r in reports], pool,
+                                        sampler=sampler is not None and not step.student_cfg.sparse_layers)
+            pool.run()
+        programs = jobs.programs
+        compiled: dict[str, tuple[Cost | None, float, str | None]] = {SAMPLER: (sampler, 0.0, None)}
+        compiled |= pool.wait(jobs.keys, "cost programs", progress)
+        if jobs.sampler and sampler is None:  # the memory pass's sampler program refused: the prefill on its own
+            own = cost_programs(step, ins, sampler=False)
+            programs.parts["sample"] = own.parts["sample"]
+            programs.lower.update({k: v for k, v in own.lower.items() if k not in programs.lower})
+        # a stage whose chunks unrolled the compiler refused (memory): its chunk loop kept, the body derived
+        refused = {}
+        for report in reports:
+            errors = [compiled[k][2] for p in programs.parts.get(report.name, ()) for _, k in p.terms
+                      if compiled.get(k, (None, 0.0, None))[2]]
+            if errors and report.name in programs.fallback:
+                refused[report.name] = errors[0]
+                programs.parts[report.name] = programs.fallback[report.name]
+        missing = [k for k in dict.fromkeys(k for r in reports for p in programs.parts.get(r.name, ())
+                                            for _, k in p.terms) if k not in compiled]
+        for k in missing:
+            _queue_cost(step, programs, k, pool)
+        pool.run()
+        compiled |= pool.wait(missing, "cost programs (chunk loops)", progress)
+    on_sampler = sampler_side(step)
+    own, trainer = len(step.sampler_mesh.devices.flat), len(step.mesh.devices.flat)
     stages, seen = [], set()
     for report in reports:
         if report.name not in programs.parts:
@@ -330,12 +375,12 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
         n = own if report.name in on_sampler else trainer
         stages.append(StageCost(report.name, tuple(parts) + attention_parts(step, ins, report.name, n)
                                 + moe_parts(step, ins, report.name, n) + transfer_parts(step, ins, report.name)))
-    notes = _notes(step, stages, options) + [
+    notes = _notes(step, stages, options=_cost_options(step.mesh)) + [
         f"{name}: its loss chunks unrolled did not compile ({error[:120]}); the chunk loop's body derived from "
         f"one-layer programs at two chunk sizes (taken as linear in its positions)" for name, error in refused.items()]
     return Roofline(chip=chip, peak=CHIP_PEAKS[chip], num_devices=num_devices, devices_per_chip=per_chip,
                     stages=stages, rollout_tokens=step.rollout_rows * step.cfg.sampling.max_new_tokens,
-                    model_flops=step_model_flops(step), compile_s=time.perf_counter() - t0, notes=notes,
+                    model_flops=step_model_flops(step), compile_s=sum(v[1] for v in compiled.values()), notes=notes,
                     sampler_stages=on_sampler, sampler_devices=own if on_sampler else 0,
                     sides_overlap=bool(on_sampler) and step.staleness > 0)
 
@@ -365,16 +410,6 @@ TPU_COST_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
 
 def _cost_options(mesh) -> dict[str, Any] | None:
     return TPU_COST_OPTIONS if mesh.devices.flat[0].platform == "tpu" else None
-
-
-def _compile_cost(mesh, lower: Callable[[], Any], num_devices: int, options) -> tuple[Cost | None, float, str | None]:
-    """(cost, compile seconds, the compiler's refusal) of one loop-free program."""
-    t0 = time.perf_counter()
-    lowered = lower()
-    with jax.set_mesh(mesh):
-        compiled, _, error = compile_stage("cost program", lambda: lowered, options)
-    cost = None if compiled is None else Cost.of(compiled, lowered.as_text(), num_devices)
-    return cost, time.perf_counter() - t0, error
 
 
 def _part(program: CostProgram, compiled: dict[str, tuple[Cost | None, float, str | None]], secs: float) -> Part:

@@ -70,6 +70,8 @@ class AotReport:
     roofline: Roofline | None = None  # the predicted time (compile_opd_step(cost=True))
     sampler_mesh: dict[str, int] | None = None  # the sampler's mesh (`sampling.mesh`; None: the trainer's)
     sampler_devices: int = 0  # disaggregated (`opd.placement`): the first ones are the sampler's own; 0: colocated
+    compile_threads: int = 1  # programs compiled at once (`sizing.compile_pool`)
+    wall_s: float = 0.0  # the whole report's time: lowering and every compile, the memory pass's and the cost's
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -133,6 +135,9 @@ class AotReport:
         lines += [f"  {s.name}: {s.error}" for s in self.stages if s.error]
         if self.roofline is not None:
             lines.append(self.roofline.table())
+        if self.wall_s:
+            lines.append(f"compiled in {self.wall_s:.1f} s, {self.compile_threads} program"
+                         f"{'s' if self.compile_threads > 1 else ''} at once (--compile-threads)")
         return "\n".join(lines)
 
 

@@ -387,7 +387,7 @@ class Roofline:
                   for r in rows]
         lines += [f"  {s.name}: {s.error}" for s in self.stages if s.error]
         lines.append(self.summary())
-        lines.append(f"cost programs compiled in {self.compile_s:.1f} s (--no-cost skips them)")
+        lines.append(f"cost programs: {self.compile_s:.1f} s of compiles, each program's own (--no-cost skips them)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
