@@ -36,6 +36,9 @@ KINDS = ("params", "request", "rollout")
 ERROR = "error.txt"
 
 
+LOCAL_POLL_S, REMOTE_POLL_S = 0.005, 0.5
+
+
 def kvstore_spec(root: str | os.PathLike) -> dict:
     """`root` as a kvstore spec of a directory (its path ends in '/', keys are appended to it): `gs://bucket/path`
     -> gcs, `memory://path` -> memory, a path without a scheme -> file (made absolute: both processes agree)."""
@@ -53,6 +56,12 @@ def kvstore_spec(root: str | os.PathLike) -> dict:
     raise ValueError(f"exchange {root}: a local directory, gs://bucket/path or memory://path")
 
 
+def poll_interval(root: str | os.PathLike) -> float:
+    """How often a side that waits on the exchange at `root` lists its markers: a bucket bills each list request
+    and answers in tens of ms, a local directory or memory in microseconds."""
+    return REMOTE_POLL_S if kvstore_spec(root)["driver"] == "gcs" else LOCAL_POLL_S
+
+
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
     """The keys that start with `prefix` (which ends in '/': the next byte, '0', bounds them)."""
     return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
@@ -65,6 +74,7 @@ class Exchange:
         self.root = str(root)
         self.context = ts.Context()  # the kvstore's and the arrays' (a memory store is shared within one context)
         self.kv = ts.KvStore.open(kvstore_spec(self.root), context=self.context).result()
+        self.poll_s = poll_interval(self.root)
 
     def clear(self) -> None:
         """Delete every key (a new run, or a resumed one: nothing of an earlier sampler is read; and at the end)."""

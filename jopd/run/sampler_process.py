@@ -44,7 +44,6 @@ JAX_OPTIONS = ("jax_platforms", "jax_num_cpu_devices", "jax_default_matmul_preci
                "jax_threefry_partitionable")
 ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
 RESTARTS = 3  # restarts while one rollout is awaited before the run stops (a worker that dies at once)
-POLL_S = 0.005
 NOTICE_S = 60.0  # without train.stall_timeout_s, a line per minute while a rollout is awaited: never silent
 
 
@@ -167,7 +166,7 @@ class ProcessSampler:
                 notices += 1
                 self.log(f"step {step}: waiting for the sampler process (pid {self.pid}) for "
                          f"{NOTICE_S * notices:g} s (train.stall_timeout_s stops the run instead)")
-            time.sleep(POLL_S)
+            time.sleep(self.exchange.poll_s)
         return meta
 
     def close(self) -> None:
@@ -220,7 +219,7 @@ def serve(opd, ex: Exchange, parent: int) -> None:
     while os.getppid() == parent:
         step = ex.pending_request()
         if step is None:
-            time.sleep(POLL_S)
+            time.sleep(ex.poll_s)
             continue
         meta, rows = ex.read("request", step)
         version = meta["version"]

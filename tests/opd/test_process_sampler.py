@@ -223,6 +223,8 @@ def test_the_exchange_kvstore_spec():
     assert exlib.kvstore_spec("rel/dir") == {"driver": "file", "path": os.path.abspath("rel/dir") + "/"}
     with pytest.raises(ValueError, match="^exchange s3://b/p: a local directory"):
         exlib.kvstore_spec("s3://b/p")
+    # a bucket is polled 100x less often than a directory (each list request is billed)
+    assert exlib.poll_interval("gs://bkt/p") == exlib.REMOTE_POLL_S == 100 * exlib.poll_interval("rel/dir")
 
 
 def test_the_lookahead_yields_the_next_steps_batches_and_leaves_the_loops_iterator(tmp_path):
