@@ -14,10 +14,11 @@ k-lag mode's (row-seeded sampling does not depend on the layout: tests/opd/test_
 writes each step's request and the policy's fp32 params, the worker its rollout, as TensorStore arrays in an
 exchange directory; a worker that dies is restarted from the last params written and the pending request. The
 samples are again the in-place k-lag mode's (tests/opd/test_process_sampler.py). A multi-process (multi-host)
-trainer starts one worker per process, which samples that process's rows (tests/opd/test_process_sampler_multihost.py).
-The worker sees the devices its environment gives it (the same as the trainer's on CPU; chips of its own on an
-accelerator are not built). `jopd aot` sizes and predicts the split on a TPU topology (`jopd.sizing`: the sampler's stages on
-its chips, the trainer's on the rest, the weight transfer timed on the ICI)."""
+trainer starts one worker per process, which samples that process's rows
+(tests/opd/test_process_sampler_multihost.py). The worker sees the devices its environment gives it (the same as
+the trainer's on CPU; chips of its own on an accelerator are not built). `jopd aot` sizes and predicts the split on
+a TPU topology (`jopd.sizing`: the sampler's stages on its chips, the trainer's on the rest, the weight transfer
+timed on the ICI)."""
 
 from __future__ import annotations
 
