@@ -13,10 +13,12 @@ k-lag mode's (row-seeded sampling does not depend on the layout: tests/opd/test_
 `process`: the sampler in a worker process of its own on the same host (`jopd.run.sampler_process`): the trainer
 writes each step's request and the policy's fp32 params, the worker its rollout, as TensorStore arrays in an
 exchange directory; a worker that dies is restarted from the last params written and the pending request. The
-samples are again the in-place k-lag mode's (tests/opd/test_process_sampler.py). One jax process per side:
-a multi-process (multi-host) trainer is refused, and the worker sees the devices its environment gives it (the
-same as the trainer's on CPU; chips of its own on an accelerator are not built). `jopd aot` sizes and predicts the split on a TPU topology (`jopd.sizing`: the sampler's stages on
-its chips, the trainer's on the rest, the weight transfer timed on the ICI)."""
+samples are again the in-place k-lag mode's (tests/opd/test_process_sampler.py). A multi-process (multi-host)
+trainer starts one worker per process, which samples that process's rows
+(tests/opd/test_process_sampler_multihost.py). The worker sees the devices its environment gives it (the same as
+the trainer's on CPU; chips of its own on an accelerator are not built). `jopd aot` sizes and predicts the split on
+a TPU topology (`jopd.sizing`: the sampler's stages on its chips, the trainer's on the rest, the weight transfer
+timed on the ICI)."""
 
 from __future__ import annotations
 
@@ -40,9 +42,6 @@ def in_process_of_its_own(cfg: RunConfig) -> bool:
 def check_placement(cfg: RunConfig, num_devices: int) -> None:
     """`rollout.placement` / `rollout.sampler_devices` against the devices: one-line errors naming the field."""
     n = cfg.rollout.sampler_devices  # without disaggregated a count is refused by `validate.check_run`
-    if in_process_of_its_own(cfg) and jax.process_count() > 1:
-        raise ValueError(f"rollout.placement=process: one trainer process only ({jax.process_count()} jax processes; "
-                         f"a sampler process per host is not built)")
     if not disaggregated(cfg):
         return
     if jax.process_count() > 1:

@@ -292,13 +292,16 @@ class OPDStep:
         with jax.set_mesh(self.sampler_mesh):
             return self.sync_fn(policy, key)
 
-    def sample_rows(self, sampler_params, batch: dict[str, np.ndarray], step: int):
+    def sample_rows(self, sampler_params, batch: dict[str, np.ndarray], step: int,
+                    process: tuple[int, int] | None = None):
         """The sampler on the host rows `batch` (`host_rows`: its prompt_tokens / prompt_mask) with step `step`'s
         row randomness -> (the `SampleOutput` in the trainer's batch layout, the decode iterations, the prompts and
-        masks in that layout)."""
+        masks in that layout). `process`: (index, count) of the trainer process whose rows these are (default this
+        one's; a sampler process serves one trainer process of a multi-process run: its rows' global indices)."""
         shared = self.prefill_group
         local_rows = batch["prompt_tokens"].shape[0]
-        first = step * local_rows * jax.process_count() + jax.process_index() * local_rows
+        index, count = (jax.process_index(), jax.process_count()) if process is None else process
+        first = step * local_rows * count + index * local_rows
         rand = row_randomness(rollout_seed(self.cfg.train.seed), first + np.arange(local_rows),
                               self.sampler.sampling.max_new_tokens)
         every = shared  # one prefilled prompt per `shared` consecutive rows
@@ -374,7 +377,8 @@ class OPDStep:
             # the update takes the state without its window, so the window is no output of it: the next step's
             # rollout (its oldest params) can run while this update does (`opd.placement`); it passes its key
             # through unchanged but donates it, so the state keeps a copy made now (ready at once)
-            rng = jax.device_put(state.rng, state.rng.sharding, may_alias=False)
+            rng = (jax.device_put(state.rng, state.rng.sharding, may_alias=False) if state.rng.is_fully_addressable
+                   else jax.jit(jnp.copy)(state.rng))  # device_put takes only this process's devices
             core, window = stale.split_window(state)
             core, metrics = self.update(core, batch, teacher_params)
             return stale.with_policies(core.replace(rng=rng), window), metrics

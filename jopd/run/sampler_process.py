@@ -19,7 +19,16 @@ requests (in the store: a queue survives it) with the params versions they read,
 twice (a rollout is read only once its marker is whole; a step with a rollout is not pending). A worker that
 raises writes its one-line error first: that is raised in the trainer, not restarted. With
 `train.stall_timeout_s` a rollout not written in time stops the run naming the sampler process and its pid.
-The worker exits when the trainer does (it watches its parent's pid)."""
+The worker exits when the trainer does (it watches its parent's pid).
+
+A multi-process run (jax.distributed, a trainer process per host): each trainer process starts its own worker,
+which samples that process's host rows only, through an exchange of its own (`<exchange_dir>/p<process index>`).
+The params may be sharded across processes (fsdp): each process gathers the full fp32 policy to its host before
+writing it (one collective per params version, on every process at the same steps). The worker is a one-process
+jax of its own: it is told its trainer's (process index, count), draws the rows' randomness by their global row
+index (`OPDStep.sample_rows`), and builds the step for one host's share (`one_host`: the batch and the mesh
+divided by the count), so it samples what the in-place multi-process run samples. The decode iterations are the
+maximum over the processes' workers (the in-place sampler's loop runs until every row is done)."""
 
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jopd.parallel.distributed import gather_to_host
 from jopd.run import stall
 from jopd.run.exchange import Exchange
 
@@ -43,13 +53,18 @@ from jopd.run.exchange import Exchange
 JAX_OPTIONS = ("jax_platforms", "jax_num_cpu_devices", "jax_default_matmul_precision", "jax_enable_x64",
                "jax_threefry_partitionable")
 ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
+# what makes a process join the trainers' distributed run (`parallel.distributed`): never the worker's (spawn passes
+# the environment on)
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 RESTARTS = 3  # restarts while one rollout is awaited before the run stops (a worker that dies at once)
 NOTICE_S = 60.0  # without train.stall_timeout_s, a line per minute while a rollout is awaited: never silent
 
 
-def exchange_dir(cfg) -> str:
-    """`rollout.exchange_dir` (a local directory or `gs://bucket/path`), default `<train.out_dir>/exchange`."""
-    return cfg.rollout.exchange_dir or str(Path(cfg.train.out_dir) / "exchange")
+def exchange_dir(cfg, process: tuple[int, int] = (0, 1)) -> str:
+    """`rollout.exchange_dir` (a local directory or `gs://bucket/path`), default `<train.out_dir>/exchange`; with
+    several trainer processes (`process`: (index, count)) the subdirectory `p<index>` of it, one per process."""
+    root = cfg.rollout.exchange_dir or str(Path(cfg.train.out_dir) / "exchange")
+    return root if process[1] == 1 else f"{root.rstrip('/')}/p{process[0]}"
 
 
 def leaf_name(path) -> str:
@@ -58,8 +73,9 @@ def leaf_name(path) -> str:
 
 
 def flat_params(params) -> dict[str, np.ndarray]:
-    """Host copies of `params`' leaves by tree path (`leaf_name`)."""
-    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+    """Host copies of `params`' leaves by tree path (`leaf_name`): the whole arrays, gathered from every process
+    when they are split across several (a collective: every process calls it)."""
+    leaves = jax.tree_util.tree_flatten_with_path(gather_to_host(params))[0]
     return {leaf_name(path): np.asarray(x) for path, x in leaves}
 
 
@@ -81,12 +97,16 @@ class ProcessSampler:
 
     def __init__(self, cfg, student_cfg, teacher_cfgs, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
-        self.exchange = Exchange(exchange_dir(cfg))
+        self.trainer = (jax.process_index(), jax.process_count())  # whose rows the worker samples
+        self.exchange = Exchange(exchange_dir(cfg, self.trainer))
         self.exchange.clear()
         self._args = (cfg, student_cfg, tuple(teacher_cfgs), self.exchange.root, os.getpid(),
                       {k: os.environ[k] for k in ENV if k in os.environ},
-                      {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)})
+                      {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)}, self.trainer)
         self.process = None
+        # the params versions written: decided here, not from the store, so every trainer process gathers the
+        # same versions at the same steps (`flat_params` is a collective)
+        self.versions: set[int] = set()
         self.restarts = 0  # over the run
         self.unread: dict[int, int] = {}  # step -> params version: the requests written, their rollout not read yet
         self.sampled_by: dict[int, int] = {}  # step -> the pid of the worker that wrote its rollout (read ones)
@@ -105,8 +125,9 @@ class ProcessSampler:
         """Step `step`'s request: params `version` first (unless written), then the request's rows and marker; then
         the params versions no unread request reads are deleted."""
         ex = self.exchange
-        if ex.meta("params", f"v{version}") is None:
+        if version not in self.versions:
             ex.write_params(version, flat_params(policy))
+            self.versions.add(version)
         rows = {"prompt_tokens": rows["prompt_tokens"], "prompt_mask": rows["prompt_mask"]}
         ex.write_request(step, version, np.asarray(jax.random.key_data(key)), rows)
         self.unread[step] = version
@@ -133,7 +154,10 @@ class ProcessSampler:
         self.sampled_by[step] = meta["pid"]
         if self.unread:  # the versions the queued requests read stay
             self.exchange.drop_params_before(min(self.unread.values()))
-        return SampleOutput(**fields), np.int32(meta["iterations"])
+        iterations = np.int32(meta["iterations"])
+        if self.trainer[1] > 1:  # every process's worker's: the in-place sampler decodes until all rows are done
+            iterations = np.int32(np.max(gather_to_host(iterations)))
+        return SampleOutput(**fields), iterations
 
     def wait(self, step: int, version: int) -> dict:
         """Poll for step `step`'s rollout marker: restart a worker that has exited, raise a worker's own error,
@@ -181,20 +205,48 @@ class ProcessSampler:
 # -- the worker's side ------------------------------------------------------------------------------------------
 
 def worker_main(cfg, student_cfg, teacher_cfgs, root: str, parent: int, env: dict[str, str],
-                options: dict[str, Any]) -> None:
-    """The sampler process: the trainer's environment and jax options, its sampling side, then `serve`. An
-    exception is written to the exchange's `error.txt` (one line) before the process exits. (jax is imported, but its
-    backend, which reads XLA_FLAGS and the options, starts only when the sampling side is built.)"""
+                options: dict[str, Any], trainer: tuple[int, int] = (0, 1)) -> None:
+    """The sampler process of trainer process `trainer` (index, count): the trainer's environment and jax options,
+    its sampling side, then `serve`. An exception is written to the exchange's `error.txt` (one line) before the
+    process exits. (jax is imported, but its backend, which reads XLA_FLAGS and the options, starts only when the
+    sampling side is built.)"""
     os.environ.update(env)  # before jax's backend starts here (spawn passes them on too; explicit for clarity)
+    for k in DISTRIBUTED_ENV:  # a one-process jax of its own, never a member of the trainers' run
+        os.environ.pop(k, None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops this process
     try:
         for k, v in options.items():
             jax.config.update(k, v)
-        serve(sampling_side(cfg, student_cfg, teacher_cfgs), Exchange(root), parent)
+        serve(sampling_side(one_host(cfg, trainer[1]), student_cfg, teacher_cfgs), Exchange(root), parent, trainer)
     except Exception as e:  # noqa: BLE001 (one line for the trainer, the traceback on this process's stderr)
         traceback.print_exc()
         Exchange(root).write_error(f"{type(e).__name__}: {e}".splitlines()[0])
         raise SystemExit(1) from None
+
+
+def one_host(cfg, count: int):
+    """`cfg` for one of `count` trainer processes' share: its prompt rows (`data.batch_size` / count) on a mesh of
+    one host's devices (`mesh`, `sampling.mesh`: an axis of -1 fills this host's devices; else the first axis the
+    count divides is divided), so the worker's per-device rows and prefill sharing are the in-place run's."""
+    if count == 1:
+        return cfg
+    if cfg.data.batch_size % count:
+        raise ValueError(f"data.batch_size={cfg.data.batch_size}: not divisible by the {count} trainer processes")
+
+    def share(mesh, field: str):
+        sizes = mesh.sizes()
+        if -1 in sizes.values():
+            return mesh
+        axis = next((a for a in ("data", "fsdp", "expert", "tensor") if sizes[a] % count == 0), None)
+        if axis is None:
+            raise ValueError(f"{field}: no axis of {sizes} divides over the {count} trainer processes")
+        return dataclasses.replace(mesh, **{axis: sizes[axis] // count})
+
+    sampling = cfg.sampling
+    if sampling.mesh is not None:
+        sampling = dataclasses.replace(sampling, mesh=share(sampling.mesh, "sampling.mesh"))
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size // count),
+                               mesh=share(cfg.mesh, "mesh"), sampling=sampling)
 
 
 def sampling_side(cfg, student_cfg, teacher_cfgs):
@@ -209,8 +261,9 @@ def sampling_side(cfg, student_cfg, teacher_cfgs):
     return build_step(local, student_cfg, teacher_cfgs, mesh)
 
 
-def serve(opd, ex: Exchange, parent: int) -> None:
-    """Answer the exchange's pending requests, in step order, until the trainer (pid `parent`) is gone."""
+def serve(opd, ex: Exchange, parent: int, trainer: tuple[int, int] = (0, 1)) -> None:
+    """Answer the exchange's pending requests, in step order, until the trainer (pid `parent`) is gone; the rows
+    are trainer process `trainer`'s (index, count): their randomness is drawn by their global row index."""
     from jopd.models import transformer
     from jopd.models.dtypes import DTYPES
 
@@ -228,6 +281,6 @@ def serve(opd, ex: Exchange, parent: int) -> None:
             loaded = (version, params)
         key = jax.device_put(jax.random.wrap_key_data(np.asarray(meta["key"], np.uint32)), opd.shardings.state.rng)
         with jax.set_mesh(opd.mesh):  # the sampler's activation constraints, as in the trainer's loop
-            sample, iterations, _, _ = opd.sample_rows(opd.sync_policy(loaded[1], key), rows, step)
+            sample, iterations, _, _ = opd.sample_rows(opd.sync_policy(loaded[1], key), rows, step, trainer)
         fields = {k: np.asarray(v) for k, v in jax.device_get(sample._asdict()).items() if v is not None}
         ex.write_rollout(step, fields, int(jax.device_get(iterations)), os.getpid())

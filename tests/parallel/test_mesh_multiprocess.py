@@ -23,7 +23,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(out_dir: Path) -> list[str]:
+def _run_two_processes(out_dir: Path, script: str = "multiprocess_worker.py", args=()) -> list[str]:
+    """tests/helpers/`script` OUT_DIR ARGS... in two cooperating processes: their outputs."""
     port = _free_port()
     procs = []
     for pid in range(2):
@@ -32,8 +33,8 @@ def _run_two_processes(out_dir: Path) -> list[str]:
         env = {**env, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                "JAX_PROCESS_ID": str(pid), "PYTHONPATH": str(ROOT)}
         env.pop("XLA_FLAGS", None)  # the worker sets 4 devices itself
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "multiprocess_worker.py"),
-                                       str(out_dir)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / script), str(out_dir),
+                                       *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:

@@ -1,0 +1,67 @@
+"""`rollout.placement=process` in a multi-process run: two trainer processes (4 CPU devices each, a localhost
+coordinator), each with a sampler process of its own serving its host rows through its own exchange, sample the very
+tokens of the same two processes' in-place 1-lag run and train to its params."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jopd.opd import placement
+from jopd.run.config import load_config
+from jopd.run.loop import build
+from jopd.run.sampler_process import exchange_dir, one_host
+from tests.helpers.process_sampler_multihost import STEPS
+from tests.helpers.tiny_testbed import tiny_cache, write_tiny
+from tests.parallel.test_mesh_multiprocess import _run_two_processes
+
+
+def _config_args(tmp) -> tuple[str, list[str]]:
+    path = write_tiny(tmp / "tiny.yaml", optim={"learning_rate": 3e-2, "warmup_steps": 0},  # params that move
+                      rollout_precision={"logit_noise": 0.3})  # the engine's own noise: row-seeded, like the draws
+    return str(path), [f"train.cache_dir={tiny_cache()}", f"train.out_dir={tmp / 'run'}", "train.mismatch=exact",
+                       "rollout.staleness=1"]
+
+
+@pytest.mark.slow
+def test_a_sampler_process_per_trainer_process_samples_as_the_in_place_multiprocess_run(tmp_path):
+    path, overrides = _config_args(tmp_path)
+    build(load_config(path, overrides), log=lambda *_: None)  # the tiny models, trained once here (cached)
+    _run_two_processes(tmp_path, "process_sampler_multihost.py", [path, *overrides])
+    ref, got = np.load(tmp_path / "colocated.npz"), np.load(tmp_path / "process.npz")
+    assert sorted(got.files) == sorted(ref.files)
+    for i in range(STEPS):  # each step's global tokens (both hosts' rows) and decode iterations (the longest row's)
+        np.testing.assert_array_equal(got[f"tokens_{i}"], ref[f"tokens_{i}"], err_msg=f"step {i}")
+        assert got[f"iterations_{i}"] == ref[f"iterations_{i}"], i
+    assert len({ref[f"tokens_{i}"].tobytes() for i in range(STEPS)}) == STEPS  # the steps sampled different tokens
+    params = [name for name in ref.files if name.startswith("params_")]
+    assert params
+    for name in params:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    infos = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
+    for i, info in enumerate(infos):  # each trainer process had one worker of its own, and its own exchange
+        assert len(info["worker_pids"]) == 1 and info["worker_pids"][0] != info["pid"]
+        assert info["exchange"] == str(tmp_path / "run" / "exchange" / f"p{i}") and info["keys"] == []
+    assert infos[0]["worker_pids"] != infos[1]["worker_pids"]
+
+
+def test_one_hosts_share_of_a_multiprocess_config(tmp_path, monkeypatch):
+    """A worker's config: one host's prompt rows, and a mesh its host's devices can form; the exchange per
+    process; a multi-process run is no longer refused (disaggregated still is)."""
+    path, overrides = _config_args(tmp_path)
+    cfg = load_config(path, overrides + ["rollout.placement=process", "mesh.data=4", "mesh.fsdp=2"])
+    assert one_host(cfg, 1) is cfg
+    two = one_host(cfg, 2)
+    assert two.data.batch_size == cfg.data.batch_size // 2 == 4
+    assert (two.mesh.data, two.mesh.fsdp) == (2, 2) and two.sampling.mesh is None
+    assert one_host(load_config(path, overrides), 2).mesh == load_config(path, overrides).mesh  # data: -1
+    with pytest.raises(ValueError, match=r"^data.batch_size=8: not divisible by the 3 trainer processes"):
+        one_host(cfg, 3)
+    assert exchange_dir(cfg) == str(tmp_path / "run" / "exchange")
+    assert exchange_dir(cfg, (1, 2)) == str(tmp_path / "run" / "exchange" / "p1")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    placement.check_placement(cfg, 8)  # accepted
+    disagg = load_config(path, overrides + ["rollout.placement=disaggregated", "rollout.sampler_devices=2"])
+    with pytest.raises(ValueError, match=r"^rollout.placement=disaggregated: one process only"):
+        placement.check_placement(disagg, 8)
