@@ -95,18 +95,18 @@ def with_policies(state: TrainState, policies: tuple, carry=None) -> TrainState:
     return cls(**vars(state), policies=tuple(policies))
 
 
-def split_window(state: TrainState) -> tuple[TrainState, dict]:
-    """(the state without its window, {"policies": the window[, "carry": the carried rows]}): what the update
-    takes, so these buffers are never an update's outputs and a rollout that reads them need not wait for it."""
-    side = ("policies", "carry")
-    fields = {k: v for k, v in vars(state).items() if k not in side}
+def split_window(state: TrainState) -> tuple[TrainState, tuple]:
+    """(the state without its window — and without the partial rollouts' carry, `carry_of` —, the window): what
+    the update takes, so these buffers are never an update's outputs and a rollout that reads them need not wait
+    for it."""
+    fields = {k: v for k, v in vars(state).items() if k not in ("policies", "carry")}
     cls = RLTrainState if isinstance(state, LaggedRLTrainState) else TrainState
-    return cls(**fields), {k: getattr(state, k) for k in side if hasattr(state, k)}
+    return cls(**fields), state.policies
 
 
-def rejoin(core: TrainState, side: dict) -> TrainState:
-    """`split_window`'s inverse."""
-    return with_policies(core, side["policies"], side.get("carry"))
+def carry_of(state: TrainState):
+    """The partial rollouts' carry of `state` (None without `rollout.partial`)."""
+    return getattr(state, "carry", None)
 
 
 def policy_step(step: int, staleness: int) -> int:

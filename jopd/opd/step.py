@@ -385,9 +385,9 @@ class OPDStep:
             # through unchanged but donates it, so the state keeps a copy made now (ready at once)
             rng = (jax.device_put(state.rng, state.rng.sharding, may_alias=False) if state.rng.is_fully_addressable
                    else jax.jit(jnp.copy)(state.rng))  # device_put takes only this process's devices
-            core, side = stale.split_window(state)
+            core, window = stale.split_window(state)
             core, metrics = self.update(core, batch, teacher_params)
-            return stale.rejoin(core.replace(rng=rng), side), metrics
+            return stale.with_policies(core.replace(rng=rng), window, stale.carry_of(state)), metrics
         if not self.uses_teacher_head:
             return self.update_fn(state, batch)
         if teacher_params is None:
