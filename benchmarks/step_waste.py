@@ -12,6 +12,11 @@ wastes nothing ("after": the slot engine, packed scoring and update), in one run
            architecture (e.g. configs/arch/qwen2.5-0.5b-instruct/config.json: the teacher has all its layers, the
            student the same shape with `--skewed-student-layers`, both random); `--skewed-max-new-tokens` caps N.
 
+`--partial` (or `--modes after,partial`) adds a third mode, "partial": "after" with partial rollouts (rollout.partial,
+rollout.staleness=1; rows left when the batch is full carry into the next step, `jopd.sampling.partial`); its
+rollout fraction is the tokens it sampled in the step over its picks (rows + slots) and slots x decode passes, the
+carried rows' re-prefill reported apart (real tokens, and the positions it ran: slots x (P + N) per step).
+
 Useful fractions: rollout = response tokens / slot-steps (rows + slots x decode passes: every row's first token
 comes from the prefill); forward = real prompt + response tokens / the rows x columns the teacher's and the
 student's forwards run (padded: B x (P + N); packed: the packed rows); head = response tokens / the positions

@@ -86,12 +86,18 @@ SAMPLING = SamplingConfig(max_new_tokens=N, top_k=7, temperature=0.8, return_ful
 NOISE = PrecisionConfig(logit_noise=0.7)
 
 
+@functools.lru_cache(maxsize=None)
+def one_version():
+    """4 steps with the same params, and the slot engine's rows (shared by two tests: one compile)."""
+    steps = run_steps(SAMPLING, NOISE, [params()] * 4)
+    return steps, reference(SAMPLING, NOISE, params(), np.concatenate([o.row_id_R for o, _ in steps]))
+
+
 def test_carried_rows_sample_as_in_the_slot_engine_with_one_version():
     """Same params every step: each handed-on row equals the slot engine's row of its prompt and randomness
     (tokens bit for bit; log-probs to 2e-5: the re-prefill computes a carried row's KV in one batched forward, not
     token by token, so only float rounding differs); rows were carried with tokens, and the carry holds S rows."""
-    steps = run_steps(SAMPLING, NOISE, [params()] * 4)
-    ref = reference(SAMPLING, NOISE, params(), np.concatenate([o.row_id_R for o, _ in steps]))
+    steps, ref = one_version()
     seen = []
     for n, (out, carry_in) in enumerate(steps):
         expect = _stack([ref[int(i)] for i in out.row_id_R])
@@ -142,9 +148,7 @@ def test_each_token_is_sampled_by_its_tagged_versions_policy():
 def test_decode_passes_follow_the_host_schedule():
     """Each step's decode passes and the rows it hands on (in order) are `partial_schedule`'s, from the rows' final
     lengths (the slot engine's) and the carry it started from."""
-    sampling = dataclasses.replace(SAMPLING, return_full_logprobs=False, return_topk=0)
-    steps = run_steps(sampling, NOISE, [params()] * 4)
-    ref = reference(sampling, NOISE, params(), np.concatenate([o.row_id_R for o, _ in steps]))
+    steps, ref = one_version()
     for n, (out, carry) in enumerate(steps):
         pool = carry.row_id_S.tolist() + batch(n)[2].tolist()
         total = [int(ref[i].lengths_B[0]) for i in pool]
