@@ -15,7 +15,8 @@ wastes nothing ("after": the slot engine, packed scoring and update), in one run
 `--partial` (or `--modes after,partial`) adds a third mode, "partial": "after" with partial rollouts (rollout.partial,
 rollout.staleness=1; rows left when the batch is full carry into the next step, `jopd.sampling.partial`); its
 rollout fraction is the tokens it sampled in the step over its picks (rows + slots) and slots x decode passes, the
-carried rows' re-prefill reported apart (real tokens, and the positions it ran: slots x (P + N) per step).
+carried rows' re-prefill reported apart (real tokens, and the positions it ran: slots x (P + its response columns,
+the longest carried response's power-of-two bucket, N/4 .. N) per step).
 
 Useful fractions: rollout = response tokens / slot-steps (rows + slots x decode passes: every row's first token
 comes from the prefill); forward = real prompt + response tokens / the rows x columns the teacher's and the
@@ -160,11 +161,10 @@ def fractions(run, rollout, train_batch) -> dict:
     partial = {}
     if rollout.partial is not None:  # this step's own sampling work (a carried row's older tokens counted before)
         info = rollout.partial
-        S, P = rollout.slots, rollout.prompt_BxP.shape[1]
         partial = {"sampled_tokens": int(jax.device_get(info.sampled_tokens)), "picks": info.picks,
                    "slot_steps": info.picks + S * int(jax.device_get(rollout.decode_iterations)),
                    "reprefill_tokens": int(jax.device_get(info.reprefill_tokens)),
-                   "reprefill_positions": S * (P + run.step.sampler.sampling.max_new_tokens)}
+                   "reprefill_positions": info.reprefill_positions}
     prompt_lens = np.asarray(rollout.host_batch["prompt_mask"]).astype(bool).sum(1)
     B, P, N = len(lengths), rollout.prompt_BxP.shape[1], run.step.sampler.sampling.max_new_tokens
     real = float(prompt_lens.sum() + lengths.sum())

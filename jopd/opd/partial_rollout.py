@@ -28,7 +28,8 @@ from jopd.opd.batch import RolloutArrays
 from jopd.opd.resolve import rollout_seed, weight_sync_key
 from jopd.parallel.distributed import host_local_to_global
 from jopd.sampling.config import RowRandomness, row_randomness
-from jopd.sampling.partial import Carry, empty_carry, priming_carry, priming_row_ids, priming_seed_indices
+from jopd.sampling.partial import (Carry, empty_carry, priming_carry, priming_row_ids, priming_seed_indices,
+                                  reprefill_width)
 
 OPDStep = Any  # `jopd.opd.step.OPDStep` (which imports this module)
 
@@ -41,6 +42,7 @@ class PartialInfo:
     sampled_tokens: Any  # tokens sampled in this step (its batch's and the carried rows')
     reprefill_tokens: Any  # real tokens the carried rows' re-prefill ran (prompt + response so far)
     picks: int  # tokens picked outside the decode passes: the R new rows' first, the S carried rows' next
+    reprefill_positions: int = 0  # positions the re-prefill ran: S x (P + its response columns)
 
 
 def check_step(opd: OPDStep) -> None:
@@ -96,8 +98,11 @@ def rollout(opd: OPDStep, state, batch: dict[str, np.ndarray], step: int, policy
     prompt, mask, u, k, ids_dev = host_local_to_global(arrays, opd.shardings.sampler_batch)
     S = slots(opd)
     cache = opd.sampler.take_cache(S, P + N)
-    out = opd.sampler.partial_program()(params, prompt, mask, RowRandomness(u, k), ids_dev, cache, carry,
-                                        np.int32(version))
+    # the re-prefill over the longest carried response's power-of-two bucket (a read of S lengths: the previous
+    # step's rollout is done, its rows were read to the host)
+    width = reprefill_width(*jax.device_get((carry.lengths_S, carry.finished_S)), N)
+    out = opd.sampler.partial_program(width)(params, prompt, mask, RowRandomness(u, k), ids_dev, cache, carry,
+                                             np.int32(version))
     opd.sampler.return_cache(S, P + N, out.sample.cache)
     iterations = out.sample.decode_iterations
     sample = out.sample._replace(cache=None, decode_iterations=None)
@@ -107,7 +112,8 @@ def rollout(opd: OPDStep, state, batch: dict[str, np.ndarray], step: int, policy
     host = {"prompt_tokens": np.asarray(host_prompt), "prompt_mask": np.asarray(host_mask).astype(np.int32),
             "index": np.asarray(row_ids),  # the rows' global row ids (< 0: priming rows), not problem indices
             "question": np.asarray([_prompt_text(opd.tokenizer, t, m) for t, m in zip(host_prompt, host_mask)])}
-    info = PartialInfo(version_b, out.sampled_tokens, out.reprefill_tokens, picks=R + S)
+    info = PartialInfo(version_b, out.sampled_tokens, out.reprefill_tokens, picks=R + S,
+                       reprefill_positions=S * (P + width))
     arrays = RolloutArrays(prompt_BxP=prompt_b, prompt_mask_BxP=mask_b, sample=sample)
     carry_out = jax.device_put(out.carry, opd.shardings.state.carry)
     return (arrays, host, iterations, S, info), carry_out

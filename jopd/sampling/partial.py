@@ -95,16 +95,27 @@ def priming_carry(prompt_SxP, prompt_mask_SxP, rand: RowRandomness, row_id_S, sa
                          keys_Sx2=jnp.asarray(rand.noise_key_data_Bx2), row_id_S=jnp.asarray(row_id_S, jnp.int32))
 
 
-def _reprefill(params, carry: Carry, cache, *, cfg, precision, sampling, P: int, N: int):
-    """Each carried row's prompt + response so far through the model into its slot's cache (one batched forward),
-    and its next token picked at t = its length from the last real position's logits."""
+def reprefill_width(lengths_S, finished_S, max_new_tokens: int) -> int:
+    """The response columns the re-prefill of a carry runs over (static, so few programs): the longest live carried
+    response rounded up to a power of two, at least a quarter of max_new_tokens, at most all of it."""
+    N = max_new_tokens
+    live = np.asarray(lengths_S)[~np.asarray(finished_S, bool)]
+    need = int(live.max()) if live.size else 0
+    return min(N, max(-(-N // 4), 1 << max(need - 1, 0).bit_length()))
+
+
+def _reprefill(params, carry: Carry, cache, *, cfg, precision, sampling, P: int, N: int, width: int):
+    """Each carried row's prompt + response so far (its first `width` columns hold every live row's) through the
+    model into its slot's cache (one batched forward), and its next token picked at t = its length from the last
+    real position's logits."""
     ell = carry.lengths_S
-    seq_mask = jnp.concatenate([carry.prompt_mask_SxP.astype(bool), jnp.arange(N)[None, :] < ell[:, None]], axis=1)
-    tokens = jnp.concatenate([carry.prompt_SxP, carry.tokens_SxN], axis=1)
-    hidden, cache = transformer.forward(params, tokens, cfg=cfg, attn_mask_BxT=seq_mask, cache=cache, cache_index=0,
-                                        kv_mask_BxS=seq_mask, return_hidden=True, dtype=precision.dtype,
+    kv_mask = jnp.concatenate([carry.prompt_mask_SxP.astype(bool), jnp.arange(N)[None, :] < ell[:, None]], axis=1)
+    tokens = jnp.concatenate([carry.prompt_SxP, carry.tokens_SxN[:, :width]], axis=1)
+    hidden, cache = transformer.forward(params, tokens, cfg=cfg, attn_mask_BxT=kv_mask[:, :P + width], cache=cache,
+                                        cache_index=0, kv_mask_BxS=kv_mask, return_hidden=True, dtype=precision.dtype,
                                         logits_dtype=precision.logits_jnp_dtype)[:2]
-    last = jnp.take_along_axis(hidden, (P + ell - 1)[:, None, None], axis=1)  # [S, 1, D]
+    at = jnp.minimum(P + ell - 1, P + width - 1)  # a finished row's may lie beyond: its pick is discarded
+    last = jnp.take_along_axis(hidden, at[:, None, None], axis=1)  # [S, 1, D]
     logits = transformer.logits_from_hidden(params, last, dtype=precision.dtype,
                                             logits_dtype=precision.logits_jnp_dtype)[:, 0]
     t = jnp.minimum(ell, N - 1)  # a finished row's pick is discarded
@@ -125,10 +136,12 @@ def sample_partial(
     cfg: ModelConfig,
     precision: PrecisionConfig,
     sampling: SamplingConfig,
+    reprefill_width: int | None = None,
 ) -> PartialOutput:
     """One step: the carry's S rows (in slots 0..S-1, re-prefilled) and then the R new rows in order on the cache's
     S slots, until R rows have finished and no row carried in with tokens is still decoding; `version` tags every
-    token sampled. Pure; jit it with the cache donated."""
+    token sampled. `reprefill_width`: the response columns the re-prefill runs over (None: all N; the caller's
+    `reprefill_width(carry)` is enough for every live carried row). Pure; jit it with the cache donated."""
     R, P = prompt_RxP.shape
     N = rand.uniforms_BxN.shape[1]
     S, _, L, _ = cache["k"][0].shape
@@ -195,7 +208,9 @@ def sample_partial(
                         **choice)
 
     # 2. The carried rows, slot s <- carry row s: re-prefilled with these params, their next token picked.
-    picked, cache = _reprefill(params, carry, cache, cfg=cfg, precision=precision, sampling=sampling, P=P, N=N)
+    width = N if reprefill_width is None else reprefill_width
+    picked, cache = _reprefill(params, carry, cache, cfg=cfg, precision=precision, sampling=sampling, P=P, N=N,
+                               width=width)
     slot_rows = jnp.arange(S)
     out, ended = record(out, jnp.where(carried_live, slot_rows, M), carry.lengths_S, picked, 0)
     state = {"cache": cache, "row": slot_rows, "t": carry.lengths_S + 1, "tok": picked.tok_B,

@@ -128,15 +128,16 @@ class Sampler:
         shards)."""
         return choose_engine(rows, group, self.sampling, self.shards)
 
-    def partial_program(self):
-        """The jitted partial-rollouts step (`partial.sample_partial`, the cache donated): (params, prompt_RxP,
-        mask_RxP, rand, row_id_R, cache, carry, version) -> `PartialOutput`. Its inputs' layouts are the caller's
-        (`opd.partial_rollout`: one batch shard)."""
-        if "partial" not in self._programs:
+    def partial_program(self, reprefill_width: int | None = None):
+        """The jitted partial-rollouts step (`partial.sample_partial`, the cache donated) whose re-prefill runs over
+        `reprefill_width` response columns: (params, prompt_RxP, mask_RxP, rand, row_id_R, cache, carry, version)
+        -> `PartialOutput`. Its inputs' layouts are the caller's (`opd.partial_rollout`: one batch shard)."""
+        key = f"partial_{reprefill_width}"
+        if key not in self._programs:
             fn = functools.partial(sample_partial, cfg=self.cfg, precision=_program_precision(self.precision),
-                                   sampling=_program_sampling(self.sampling))
-            self._programs["partial"] = jax.jit(fn, donate_argnums=(5,))
-        return self._programs["partial"]
+                                   sampling=_program_sampling(self.sampling), reprefill_width=reprefill_width)
+            self._programs[key] = jax.jit(fn, donate_argnums=(5,))
+        return self._programs[key]
 
     def take_cache(self, slots: int, length: int) -> transformer.KVCache:
         """The kept KV-cache buffer of `slots` rows x `length` (a new one if none is kept); hand it back with

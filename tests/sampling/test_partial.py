@@ -12,7 +12,7 @@ import pytest
 from jopd.models import transformer as T
 from jopd.sampling.config import SamplingConfig, row_randomness
 from jopd.sampling.partial import (empty_carry, partial_schedule, priming_carry, priming_row_ids, priming_seed_indices,
-                                   sample_partial)
+                                   reprefill_width, sample_partial)
 from jopd.sampling.precision import PrecisionConfig
 from jopd.sampling.sampler import Sampler
 from tests.helpers.reference_kl import log_softmax64
@@ -37,14 +37,15 @@ def rand_of(row_ids):
 
 
 @functools.lru_cache(maxsize=None)
-def program(sampling: SamplingConfig, precision: PrecisionConfig):
-    return jax.jit(functools.partial(sample_partial, cfg=CFG, precision=precision, sampling=sampling),
-                   donate_argnums=(5,))
+def program(sampling: SamplingConfig, precision: PrecisionConfig, width: int):
+    return jax.jit(functools.partial(sample_partial, cfg=CFG, precision=precision, sampling=sampling,
+                                     reprefill_width=width), donate_argnums=(5,))
 
 
 def run_steps(sampling, precision, versions):
     """Partial rollouts over len(versions) steps, step n sampling with `versions[n]` (params) tagged n; the first
-    step primed with S rows of its own prompts. Returns per step (output, carry before it)."""
+    step primed with S rows of its own prompts; each re-prefill over its carry's `reprefill_width` columns, as the
+    OPD step runs it. Returns per step (output, carry before it, that width)."""
     toks, mask, _ = batch(0)
     ids = priming_row_ids(S)
     carry = priming_carry(toks[:S], mask[:S], rand_of(ids), ids, sampling, CFG.vocab_size)
@@ -52,9 +53,11 @@ def run_steps(sampling, precision, versions):
     steps = []
     for n, p in enumerate(versions):
         toks, mask, ids = batch(n)
-        out = program(sampling, precision)(p, toks, mask, rand_of(ids), ids, cache, carry, n)
+        width = reprefill_width(*jax.device_get((carry.lengths_S, carry.finished_S)), N)
+        out = program(sampling, precision, width)(p, toks, mask, rand_of(ids), ids, cache, carry, n)
         cache = out.sample.cache
-        steps.append((jax.device_get(out._replace(sample=out.sample._replace(cache=None))), jax.device_get(carry)))
+        steps.append((jax.device_get(out._replace(sample=out.sample._replace(cache=None))), jax.device_get(carry),
+                      width))
         carry = out.carry
     return steps
 
@@ -90,7 +93,7 @@ NOISE = PrecisionConfig(logit_noise=0.7)
 def one_version():
     """4 steps with the same params, and the slot engine's rows (shared by two tests: one compile)."""
     steps = run_steps(SAMPLING, NOISE, [params()] * 4)
-    return steps, reference(SAMPLING, NOISE, params(), np.concatenate([o.row_id_R for o, _ in steps]))
+    return steps, reference(SAMPLING, NOISE, params(), np.concatenate([o.row_id_R for o, _, _ in steps]))
 
 
 def test_carried_rows_sample_as_in_the_slot_engine_with_one_version():
@@ -99,7 +102,8 @@ def test_carried_rows_sample_as_in_the_slot_engine_with_one_version():
     token by token, so only float rounding differs); rows were carried with tokens, and the carry holds S rows."""
     steps, ref = one_version()
     seen = []
-    for n, (out, carry_in) in enumerate(steps):
+    assert len({w for _, _, w in steps}) > 1  # the re-prefill ran over several widths, the samples alike
+    for n, (out, carry_in, _) in enumerate(steps):
         expect = _stack([ref[int(i)] for i in out.row_id_R])
         assert_same_samples(out.sample._replace(cache=None, decode_iterations=None), expect)
         valid = out.sample.response_mask_BxN
@@ -108,10 +112,10 @@ def test_carried_rows_sample_as_in_the_slot_engine_with_one_version():
         seen += out.row_id_R.tolist()
         assert out.carry.lengths_S.shape == (S,)
     assert len(seen) == len(set(seen))  # no row handed on twice
-    carried = [n for n, (out, c) in enumerate(steps) if n and ((c.lengths_S > 0) & ~c.finished_S).any()]
+    carried = [n for n, (out, c, _) in enumerate(steps) if n and ((c.lengths_S > 0) & ~c.finished_S).any()]
     assert carried, "no row was carried with tokens: the test does not exercise the re-prefill"
     # every new row is handed on within two steps of its own (carried at most once after it started)
-    for n, (out, _) in enumerate(steps):
+    for n, (out, _, _) in enumerate(steps):
         assert all(i < 0 or n - i // R <= 1 for i in out.row_id_R.tolist())
 
 
@@ -149,7 +153,7 @@ def test_decode_passes_follow_the_host_schedule():
     """Each step's decode passes and the rows it hands on (in order) are `partial_schedule`'s, from the rows' final
     lengths (the slot engine's) and the carry it started from."""
     steps, ref = one_version()
-    for n, (out, carry) in enumerate(steps):
+    for n, (out, carry, _) in enumerate(steps):
         pool = carry.row_id_S.tolist() + batch(n)[2].tolist()
         total = [int(ref[i].lengths_B[0]) for i in pool]
         sched = partial_schedule(carry.lengths_S, carry.finished_S, total, S, R)
@@ -166,3 +170,11 @@ def test_bad_carry_shape_is_refused():
     with pytest.raises(ValueError, match="partial rollouts: a carry of 2 rows"):
         sample_partial(params(), toks, mask, rand_of(ids), ids, T.init_cache(CFG, S, P + N),
                        empty_carry(2, P, sampling, CFG.vocab_size), 0, cfg=CFG, precision=NOISE, sampling=sampling)
+
+
+def test_reprefill_width_covers_every_live_carried_row_in_few_shapes():
+    assert reprefill_width([0, 0, 0], [False] * 3, 256) == 64  # priming rows: the smallest bucket, N / 4
+    assert reprefill_width([65, 200, 3], [False, True, False], 256) == 128  # a finished row needs no columns
+    assert reprefill_width([129, 1, 1], [False] * 3, 256) == 256 and reprefill_width([7], [False], 24) == 8
+    widths = {reprefill_width([n], [False], 256) for n in range(256)}
+    assert widths == {64, 128, 256}
