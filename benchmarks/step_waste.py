@@ -162,7 +162,7 @@ def fractions(run, rollout, train_batch) -> dict:
     if rollout.partial is not None:  # this step's own sampling work (a carried row's older tokens counted before)
         info = rollout.partial
         partial = {"sampled_tokens": int(jax.device_get(info.sampled_tokens)), "picks": info.picks,
-                   "slot_steps": info.picks + S * int(jax.device_get(rollout.decode_iterations)),
+                   "slot_steps": info.picks + rollout.slots * int(jax.device_get(rollout.decode_iterations)),
                    "reprefill_tokens": int(jax.device_get(info.reprefill_tokens)),
                    "reprefill_positions": info.reprefill_positions}
     prompt_lens = np.asarray(rollout.host_batch["prompt_mask"]).astype(bool).sum(1)
