@@ -12,6 +12,12 @@ wastes nothing ("after": the slot engine, packed scoring and update), in one run
            architecture (e.g. configs/arch/qwen2.5-0.5b-instruct/config.json: the teacher has all its layers, the
            student the same shape with `--skewed-student-layers`, both random); `--skewed-max-new-tokens` caps N.
 
+`--partial` (or `--modes after,partial`) adds a third mode, "partial": "after" with partial rollouts (rollout.partial,
+rollout.staleness=1; rows left when the batch is full carry into the next step, `jopd.sampling.partial`); its
+rollout fraction is the tokens it sampled in the step over its picks (rows + slots) and slots x decode passes, the
+carried rows' re-prefill reported apart (real tokens, and the positions it ran: slots x (P + its response columns,
+the longest carried response's power-of-two bucket, N/4 .. N) per step).
+
 Useful fractions: rollout = response tokens / slot-steps (rows + slots x decode passes: every row's first token
 comes from the prefill); forward = real prompt + response tokens / the rows x columns the teacher's and the
 student's forwards run (padded: B x (P + N); packed: the packed rows); head = response tokens / the positions
@@ -54,12 +60,15 @@ from jopd.models.config import ModelConfig  # noqa: E402
 from jopd.models.hf_io import read_hf_config  # noqa: E402
 from jopd.run import loop  # noqa: E402
 from jopd.run.config import load_config  # noqa: E402
-from jopd.opd.step import build_step  # noqa: E402
+from jopd.opd import partial_rollout, staleness as stale  # noqa: E402
+from jopd.opd.step import Rollout, build_step  # noqa: E402
 from jopd.parallel import mesh as meshlib  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("rollout", "score", "update")
-MODES = {"before": ["sampling.slots=0", "train.pack=false"], "after": ["train.pack=true"]}
+MODES = {"before": ["sampling.slots=0", "train.pack=false"], "after": ["train.pack=true"],
+         # `--partial`: "after" with partial rollouts (rows carried across steps; staleness 1, which they need)
+         "partial": ["train.pack=true", "rollout.staleness=1", "rollout.partial=true"]}
 
 
 @dataclasses.dataclass
@@ -78,7 +87,7 @@ def _mode_overrides(mode: str, slots: int, width: int) -> list[str]:
     after = [f"sampling.slots={slots}", f"train.pack_width={width}"]
     if PACK_GRANULARITY is not None:
         after.append(f"train.pack_granularity={PACK_GRANULARITY}")
-    return MODES[mode] + (after if mode == "after" else [])
+    return MODES[mode] + (after if mode != "before" else [])
 
 
 def testbed(mode: str, slots: int, cache: str | None) -> Workload:
@@ -149,6 +158,13 @@ def _blocked(fn, *args):
 
 def fractions(run, rollout, train_batch) -> dict:
     lengths = np.asarray(jax.device_get(rollout.sample.lengths_B))
+    partial = {}
+    if rollout.partial is not None:  # this step's own sampling work (a carried row's older tokens counted before)
+        info = rollout.partial
+        partial = {"sampled_tokens": int(jax.device_get(info.sampled_tokens)), "picks": info.picks,
+                   "slot_steps": info.picks + rollout.slots * int(jax.device_get(rollout.decode_iterations)),
+                   "reprefill_tokens": int(jax.device_get(info.reprefill_tokens)),
+                   "reprefill_positions": info.reprefill_positions}
     prompt_lens = np.asarray(rollout.host_batch["prompt_mask"]).astype(bool).sum(1)
     B, P, N = len(lengths), rollout.prompt_BxP.shape[1], run.step.sampler.sampling.max_new_tokens
     real = float(prompt_lens.sum() + lengths.sum())
@@ -159,13 +175,23 @@ def fractions(run, rollout, train_batch) -> dict:
         head_slots = float(np.prod(train_batch.plan.compact.shape))
     return {"rollout": rollout.useful_fraction(lengths), "forward": real / fwd_slots,
             "head": float(lengths.sum()) / head_slots, "response_tokens": int(lengths.sum()),
-            "lengths": lengths.tolist()}
+            "lengths": lengths.tolist()} | partial
 
 
 def _compiled_shapes(st) -> int:
     """Programs the step's jitted stages hold: it grows when a step meets a shape (a packed row bucket) anew."""
-    fns = [st.score_fn, st.update_fn] + list(st.sampler._programs.values())
+    fns = [st.score_fn, st.update_fn] + list(st.sampler._programs.values())  # the partial program among them
     return sum(f._cache_size() for f in fns)
+
+
+def _partial_rollout(st, state, batch, i):
+    """`OPDStep.__call__`'s partial rollout, blocked on its own: (the rollout, the state with the window and the
+    carry moved on, as the step leaves them for its update)."""
+    version, window = stale.policy_step(i, st.staleness), state.policies
+    (arrays, host, iters, slots, info), carry = partial_rollout.rollout(st, state, batch, i, window[-st.staleness],
+                                                                       version)
+    state = stale.advance(state, st.copy_fn(state.params)).replace(carry=carry)
+    return Rollout(arrays, host, None, iters, slots, (), partial=info), state
 
 
 def _timed_step(w: Workload, state, i: int):
@@ -173,7 +199,10 @@ def _timed_step(w: Workload, state, i: int):
     batch = next(w.batches)
     before = _compiled_shapes(st)
     with jax.set_mesh(st.mesh):
-        rollout, t_r = _blocked(st.rollout, state, batch, i)
+        if st.cfg.rollout.partial:
+            (rollout, state), t_r = _blocked(_partial_rollout, st, state, batch, i)
+        else:
+            rollout, t_r = _blocked(st.rollout, state, batch, i)
         tb, t_s = _blocked(st.score, w.run.teacher_params, rollout)
         (state, _), t_u = _blocked(st.update, state, tb, w.run.teacher_params)
     return state, (t_r, t_s, t_u), fractions(w.run, rollout, tb) | {"compiled": _compiled_shapes(st) > before}
@@ -211,7 +240,15 @@ def measure(workloads: dict[str, Workload], steps: int, warmup: int) -> dict:
         step_s = float(np.median(full)) if full else float("nan")
         warm = [j for j, f in enumerate(fracs[m]) if not f["compiled"]] or list(range(len(fracs[m])))
         med = {k: float(np.median([v[j] for j in warm])) for k, v in times[m].items()}
-        out[m] = {"stage_s": med, "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
+        part = [f for f in fracs[m] if "sampled_tokens" in f]
+        if part:  # partial rollouts: the sampled tokens over the slot-steps of all measured steps together
+            agg = {k: int(sum(f[k] for f in part)) for k in ("sampled_tokens", "slot_steps", "reprefill_tokens",
+                                                             "reprefill_positions")}
+            out_partial = {"partial": agg | {"rollout_useful_pooled": agg["sampled_tokens"] / agg["slot_steps"],
+                                             "decode_slot_steps": agg["slot_steps"]}}
+        else:
+            out_partial = {}
+        out[m] = out_partial | {"stage_s": med, "stage_tokens_per_s": {k: tokens / v for k, v in med.items()},
                   "useful": {k: float(np.mean([f[k] for f in fracs[m]])) for k in ("rollout", "forward", "head")},
                   "step_s": step_s, "step_tokens_per_s": tokens / step_s, "response_tokens_per_step": tokens,
                   "lengths": [f["lengths"] for f in fracs[m]], "slots": st.sampler.engine(st.rollout_rows)[1],
@@ -232,6 +269,11 @@ def print_table(results: dict) -> None:
             print(f"{name:9s} {mode:7s} {r['rows']:>5d}/{r['slots']:<4d} {lens.mean():6.1f}/{lens.max():<5d} "
                   f"{100 * u['rollout']:6.1f} {100 * u['forward']:6.1f} {100 * u['head']:6.1f} "
                   f"{s['rollout']:13.1f} {s['score']:11.1f} {s['update']:12.1f} {r['step_tokens_per_s']:10.1f}")
+        if "partial" in modes:
+            p = modes["partial"]["partial"]
+            print(f"{name:9s} partial: sampled {p['sampled_tokens']} tokens in {p['slot_steps']} slot-steps "
+                  f"({100 * p['rollout_useful_pooled']:.1f}%); re-prefill ran {p['reprefill_tokens']} real tokens of "
+                  f"{p['reprefill_positions']} positions")
         if {"before", "after"} <= set(modes):
             b, a = modes["before"], modes["after"]
             ratio = {k: a["stage_tokens_per_s"][k] / b["stage_tokens_per_s"][k] for k in STAGES}
@@ -289,6 +331,9 @@ def main() -> int:
     ap.add_argument("--skewed-arch", default=SKEWED_ARCH, metavar="CONFIG_JSON",
                     help="skewed: the architecture (HF config.json or its directory) of the random-weight models")
     ap.add_argument("--skewed-max-new-tokens", type=int, default=256, help="skewed: new tokens per row at most")
+    ap.add_argument("--partial", action="store_true",
+                    help="also measure 'partial': 'after' with partial rollouts (rollout.partial, staleness 1)")
+    ap.add_argument("--modes", default=None, help="comma-separated modes to build (default: before,after[,partial])")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results"))
     ap.add_argument("--tag", default="", help="write step_waste_TAG.json / .png (two runs into one --out)")
     args = ap.parse_args()
@@ -303,8 +348,8 @@ def main() -> int:
         build, rows = builders[name]
         slots = rows // 2 if args.slots == "auto" else int(args.slots)
         print(f"[{name}] building both modes, measuring them step by step ...", file=sys.stderr)
-        results[name] = measure({mode: build(mode, slots) for mode in ("before", "after")}, args.steps,
-                                args.warmup)
+        modes = args.modes.split(",") if args.modes else ["before", "after"] + (["partial"] if args.partial else [])
+        results[name] = measure({mode: build(mode, slots) for mode in modes}, args.steps, args.warmup)
         print_table({name: results[name]})
     print()
     print_table(results)

@@ -26,7 +26,7 @@ from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
 from jopd.opd.resolve import rollouts_per_prompt
 from jopd.opd.rewards import RLTrainState
-from jopd.opd.staleness import with_policies
+from jopd.opd.staleness import window_size, with_policies
 from jopd.opd.train_state import TrainState, opt_state_shardings
 from jopd import parallel as meshlib
 
@@ -124,7 +124,7 @@ def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig
     if running_baseline:
         state = RLTrainState(**vars(state), reward_ema=replicated)
     if cfg.rollout.staleness:  # the window of past params (`opd.staleness`), each in the trainer layout
-        state = with_policies(state, (student,) * cfg.rollout.staleness)
+        state = with_policies(state, (student,) * window_size(cfg.rollout))
     # A clear error at build time: the rollouts (prompts x their G samples) are split over the batch shards.
     rows = cfg.data.batch_size * rollouts_per_prompt(cfg)
     meshlib.batch_sharding(mesh, meshlib.rules_for("sample", cfg.mesh), (rows,), where="data.batch_size")

@@ -18,7 +18,7 @@ part is (an exact engine, or no lag).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import flax.struct
 import jax
@@ -54,6 +54,10 @@ class RolloutConfig:
     # process: how many steps' requests the sampler process holds, this step's and the next queue - 1 (their params
     # are the window's), so it samples ahead while the trainer trains; 1 <= queue <= staleness. 1: one at a time
     queue: int = pydantic.Field(1, ge=1)
+    # Partial rollouts (`sampling.partial`, k >= 1, the slot engine): a row still decoding when the step's batch is
+    # full carries into the next step, its tokens tagged with the version that sampled each; a row's tokens come
+    # from two consecutive versions at most, and the window holds k + 1 versions (the older one's r).
+    partial: bool = False
 
 
 @flax.struct.dataclass
@@ -71,18 +75,38 @@ class LaggedRLTrainState(RLTrainState):
     policies: tuple
 
 
-def with_policies(state: TrainState, policies: tuple) -> TrainState:
-    """`state` with the window `policies` (a plain or RL train state)."""
+@flax.struct.dataclass
+class PartialTrainState(LaggedTrainState):
+    """A `LaggedTrainState` (k + 1 versions) with the rows carried into the next step (`rollout.partial`)."""
+
+    carry: Any  # `sampling.partial.Carry`: S rows of prompts, responses so far, randomness and version tags
+
+
+def window_size(rollout: RolloutConfig) -> int:
+    """Versions the window holds: k, and one more with partial rollouts (a carried row's older tokens' r)."""
+    return rollout.staleness + int(rollout.partial)
+
+
+def with_policies(state: TrainState, policies: tuple, carry=None) -> TrainState:
+    """`state` with the window `policies` (a plain or RL train state), and the partial rollouts' `carry`."""
+    if carry is not None:
+        return PartialTrainState(**vars(state), policies=tuple(policies), carry=carry)
     cls = LaggedRLTrainState if isinstance(state, RLTrainState) else LaggedTrainState
     return cls(**vars(state), policies=tuple(policies))
 
 
 def split_window(state: TrainState) -> tuple[TrainState, tuple]:
-    """(the state without its window, the window): what the update takes, so the window's buffers are never
-    an update's outputs and a rollout that reads them need not wait for it."""
-    fields = {k: v for k, v in vars(state).items() if k != "policies"}
+    """(the state without its window — and without the partial rollouts' carry, `carry_of` —, the window): what
+    the update takes, so these buffers are never an update's outputs and a rollout that reads them need not wait
+    for it."""
+    fields = {k: v for k, v in vars(state).items() if k not in ("policies", "carry")}
     cls = RLTrainState if isinstance(state, LaggedRLTrainState) else TrainState
     return cls(**fields), state.policies
+
+
+def carry_of(state: TrainState):
+    """The partial rollouts' carry of `state` (None without `rollout.partial`)."""
+    return getattr(state, "carry", None)
 
 
 def policy_step(step: int, staleness: int) -> int:

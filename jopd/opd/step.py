@@ -53,7 +53,7 @@ from jopd.losses.kinds import OBJECTIVES, Objective
 from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
-from jopd.opd import packing, placement, rewards, routing as routinglib, validate
+from jopd.opd import packing, partial_rollout, placement, rewards, routing as routinglib, validate
 from jopd.opd.cross_teacher import TEACHER_SLACK, CrossBatch, CrossTeacher, align_routed
 from jopd.opd.batch import RolloutArrays, TrainBatch, scoring_input, with_sampler_full_logprobs
 from jopd.opd.optim import make_optimizer
@@ -86,6 +86,7 @@ class Rollout:
     decode_iterations: jax.Array | None = None  # the sampler's decode forward passes (`SampleOutput`)
     slots: int = 0  # the sampler's decode slots (rows, for the static engine)
     cross_reasons: tuple[str | None, ...] = ()  # cross-tokenizer: why each local row failed alignment (None: ok)
+    partial: Any = None  # rollout.partial: `partial_rollout.PartialInfo` (each token's version, the step's work)
 
     @property
     def sample(self) -> SampleOutput:
@@ -111,8 +112,10 @@ class Rollout:
     def useful_fraction(self, lengths_B: np.ndarray) -> float:
         """The share of the sampler's slot-steps that produced a real token (1: no slot idle; the static engine
         spends the longest row's steps on every row)."""
-        rows = len(lengths_B)
-        return float(np.sum(lengths_B)) / (rows + self.slots * int(jax.device_get(self.decode_iterations)))
+        rows, tokens = len(lengths_B), float(np.sum(lengths_B))
+        if self.partial is not None:  # the tokens this step sampled (a carried row's older ones were counted before)
+            rows, tokens = self.partial.picks, float(jax.device_get(self.partial.sampled_tokens))
+        return tokens / (rows + self.slots * int(jax.device_get(self.decode_iterations)))
 
     def without_full_logprobs(self) -> "Rollout":
         """The rollout without the sampler's [B, N, V] log-softmax (freed once the update has read it)."""
@@ -155,6 +158,8 @@ class OPDStep:
     # rollout.placement=process: the client of the sampler process (`jopd.run.sampler_process.ProcessSampler`;
     # set by the loop's `build`): `sample(step, policy_step, policy, key, rows)` -> (host `SampleOutput`, iterations)
     remote: Any = None
+    # rollout.partial: the train state's carry before step 0 (`partial_rollout.carry_template`)
+    carry0: Any = None
 
     # -- sizes ------------------------------------------------------------------------------------------
 
@@ -235,8 +240,9 @@ class OPDStep:
         """ShapeDtypeStructs with the state's shardings: what restore and `jopd aot` lower against."""
         dtype = DTYPES[self.cfg.student.dtype]
         params = transformer.abstract_params(self.student_cfg, dtype)
+        window = stale.window_size(self.cfg.rollout)
         shapes = jax.eval_shape(lambda p: _initial_state(p, self.optimizer, jax.random.key(0),
-                                                         self.uses_running_baseline, self.staleness), params)
+                                                         self.uses_running_baseline, window, self.carry0), params)
         return meshlib.sharded_abstract(shapes, self.shardings.state)
 
     def place_reference(self, params):
@@ -381,7 +387,7 @@ class OPDStep:
                    else jax.jit(jnp.copy)(state.rng))  # device_put takes only this process's devices
             core, window = stale.split_window(state)
             core, metrics = self.update(core, batch, teacher_params)
-            return stale.with_policies(core.replace(rng=rng), window), metrics
+            return stale.with_policies(core.replace(rng=rng), window, stale.carry_of(state)), metrics
         if not self.uses_teacher_head:
             return self.update_fn(state, batch)
         if teacher_params is None:
@@ -413,6 +419,18 @@ class OPDStep:
         if not self.staleness:
             rollout = self.rollout(state, batch, step)
             train_batch = self.score(teacher_params, rollout, reference_params)
+        elif self.cfg.rollout.partial:  # the window's entry -k samples; a carried row's older tokens: its oldest
+            version, window = stale.policy_step(step, self.staleness), state.policies
+            (arrays, host, iterations, slots, info), carry = partial_rollout.rollout(
+                self, state, batch, step, window[-self.staleness], version)
+            rollout = Rollout(arrays, host, None, iterations, slots, (), partial=info)
+            train_batch = self.score(teacher_params, rollout, reference_params)
+            if self.lagged_fn is not None:
+                older = stale.policy_step(step - 1, self.staleness)
+                log_r = partial_rollout.lagged_logprobs(self, window, rollout, version, older)
+                train_batch = stale.with_lagged_logprobs(train_batch, log_r)
+            del window
+            state = stale.advance(state, self.copy_fn(state.params)).replace(carry=carry)
         else:
             version, policy = stale.policy_step(step, self.staleness), state.policies[0]
             rollout = self.rollout(state, batch, step, policy, version)
@@ -434,7 +452,9 @@ class OPDStep:
         if rollout.reward_ema is not None:
             state = state.replace(reward_ema=jax.device_put(rollout.reward_ema, self.shardings.state.reward_ema))
         metrics = inner_update_metrics(history)
-        if self.staleness:
+        if rollout.partial is not None:  # per token: the mean lag and the older version's share
+            metrics = dict(metrics, **partial_rollout.metrics(rollout, step, version))
+        elif self.staleness:
             metrics = dict(metrics, rollout_lag=np.float32(step - version))
         return state, metrics, rollout
 
@@ -478,12 +498,13 @@ class OPDStep:
 
 
 def _initial_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, running_baseline: bool,
-                   staleness: int = 0) -> TrainState:
+                   window: int = 0, carry=None) -> TrainState:
     state = new_train_state(params, optimizer, rng)
     if running_baseline:
         state = RLTrainState(**vars(state), reward_ema=jnp.zeros((), jnp.float32))
-    # the window before step 0: k copies of the initial params (steps 0 .. k-1 sample with them)
-    return stale.with_policies(state, (params,) * staleness) if staleness else state
+    # the window before step 0: k copies of the initial params (steps 0 .. k-1 sample with them; k + 1 with partial
+    # rollouts, and their empty carry)
+    return stale.with_policies(state, (params,) * window, carry) if window else state
 
 
 def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
@@ -544,7 +565,13 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
     repeat_fn = jax.jit(lambda *xs: tuple(jnp.repeat(x, G, axis=0) for x in xs), in_shardings=batch,
                         out_shardings=batch)
     lag = cfg.rollout.staleness
-    init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running, lag),
+    carry0 = None
+    if cfg.rollout.partial:  # the carried rows: a field of the state, replicated
+        carry0 = partial_rollout.carry_template(cfg, sampler, rows=cfg.data.batch_size * G)
+        sh = dataclasses.replace(sh, state=stale.with_policies(stale.split_window(sh.state)[0], sh.state.policies,
+                                                               partial_rollout.carry_shardings(carry0, mesh)))
+    window = stale.window_size(cfg.rollout)
+    init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running, window, carry0),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)
     copy_fn = lagged_fn = None
     if lag:
@@ -553,7 +580,10 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
         lagged = functools.partial(stale.lagged_logprobs, model_cfg=s_cfg, temperature=cfg.sampling.temperature,
                                    chunk=loss_cfg.chunk_size, dtype=dtype)
         lagged_fn = jax.jit(lagged, in_shardings=(sh.student,) + (batch,) * 4, out_shardings=batch)
-    return OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfgs=t_cfgs, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
+    step = OPDStep(cfg=cfg, student_cfg=s_cfg, teacher_cfgs=t_cfgs, mesh=mesh, loss_cfg=loss_cfg, objective=objective,
                    optimizer=optimizer, shardings=sh, sampler=sampler, tokenizer=tokenizer, sync_fn=sync_fn,
                    score_fn=score_fn, update_fn=update_fn, init_fn=init_fn, repeat_fn=repeat_fn, cross=cross,
-                   routing=routing, copy_fn=copy_fn, lagged_fn=lagged_fn)
+                   routing=routing, copy_fn=copy_fn, lagged_fn=lagged_fn, carry0=carry0)
+    if cfg.rollout.partial:
+        partial_rollout.check_step(step)
+    return step

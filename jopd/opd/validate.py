@@ -80,9 +80,39 @@ def check_run(cfg: "RunConfig") -> None:
     if cfg.rollout.placement == "process" and cfg.loss.cross_tokenizer != "off":
         raise ConfigError(f"rollout.placement=process: not with loss.kind={cfg.loss.kind} (a teacher with another "
                           f"tokenizer: its alignment objects are not sent to the sampler process)")
+    if cfg.rollout.partial:
+        _check_partial(cfg, objective)
     if cfg.train.probe_every and objective.cross_tokenizer is not None:
         raise ConfigError(f"train.probe_every: the probe feeds the teacher the student's token ids; not with "
                           f"loss.kind={cfg.loss.kind} (a teacher with another tokenizer)")
+
+
+def _partial_conflict(cfg: "RunConfig", objective: Objective) -> str | None:
+    """What `rollout.partial` cannot go with in `cfg` (None: nothing)."""
+    rollout = cfg.rollout
+    if not rollout.staleness:
+        return "rollout.staleness=0 (a carried row's tokens are an older version's: k >= 1)"
+    if not cfg.sampling.slots:
+        return "sampling.slots=0 (the slot engine's rows are what carries)"
+    if rollout.placement != "colocated":
+        return f"rollout.placement={rollout.placement} (the carry is the colocated sampler's)"
+    if objective.uses_rewards:
+        return f"loss.kind={cfg.loss.kind} (rewards and advantages of rows of several steps)"
+    if objective.cross_tokenizer is not None:
+        return f"loss.kind={cfg.loss.kind} (a teacher with another tokenizer aligns the host rows)"
+    if cfg.teachers and len(cfg.teachers) > 1 and cfg.routing in ("task", "mixture"):
+        return f"routing={cfg.routing} (rows routed to teachers by their host rows)"
+    if len(task_sources(cfg.data)) > 1:
+        return "data.mix (per-task rows and metrics)"
+    if cfg.sampling.samples_per_prompt > 1:
+        return f"sampling.samples_per_prompt={cfg.sampling.samples_per_prompt} (one row per prompt)"
+    return None
+
+
+def _check_partial(cfg: "RunConfig", objective: Objective) -> None:
+    conflict = _partial_conflict(cfg, objective)
+    if conflict:
+        raise ConfigError(f"rollout.partial: not with {conflict}")
 
 
 def check_rl(kind: str, objective: Objective, rl: RLConfig) -> None:

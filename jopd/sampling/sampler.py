@@ -30,6 +30,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.sampling.config import RowRandomness, SampleOutput, SamplerShardings, SamplingConfig, row_randomness
 from jopd.sampling.engines import EngineChoice, bind, choose_engine
+from jopd.sampling.partial import sample_partial
 from jopd.sampling.precision import PrecisionConfig
 
 
@@ -89,7 +90,7 @@ class Sampler:
         self.keep_cache = keep_cache
         self._buckets = (min_prompt_bucket, batch_pow2_up_to, prompt_pow2_up_to)
         self._caches: dict[tuple[int, int], transformer.KVCache] = {}
-        self._programs: dict[int, Any] = {}
+        self._programs: dict[int | str, Any] = {}
         self.shards = 1  # batch shards: the slot engine refills a slot from its own shard's rows
         if shardings is not None:
             spec = shardings.batch.spec
@@ -126,6 +127,27 @@ class Sampler:
         static engine (0, rows), or the slot engine (group, `sampling.slots` at most the rows, a multiple of the
         shards)."""
         return choose_engine(rows, group, self.sampling, self.shards)
+
+    def partial_program(self, reprefill_width: int | None = None):
+        """The jitted partial-rollouts step (`partial.sample_partial`, the cache donated) whose re-prefill runs over
+        `reprefill_width` response columns: (params, prompt_RxP, mask_RxP, rand, row_id_R, cache, carry, version)
+        -> `PartialOutput`. Its inputs' layouts are the caller's (`opd.partial_rollout`: one batch shard)."""
+        key = f"partial_{reprefill_width}"
+        if key not in self._programs:
+            fn = functools.partial(sample_partial, cfg=self.cfg, precision=_program_precision(self.precision),
+                                   sampling=_program_sampling(self.sampling), reprefill_width=reprefill_width)
+            self._programs[key] = jax.jit(fn, donate_argnums=(5,))
+        return self._programs[key]
+
+    def take_cache(self, slots: int, length: int) -> transformer.KVCache:
+        """The kept KV-cache buffer of `slots` rows x `length` (a new one if none is kept); hand it back with
+        `return_cache` after a program that donated it."""
+        cache = self._caches.pop((slots, length), None)
+        return self.new_cache(slots, length) if cache is None else cache
+
+    def return_cache(self, slots: int, length: int, cache: transformer.KVCache) -> None:
+        if self.keep_cache:
+            self._caches[(slots, length)] = cache
 
     def new_cache(self, batch: int, slots: int) -> transformer.KVCache:
         cache = transformer.init_cache(self.cfg, batch, slots, self.precision.cache_dtype)
