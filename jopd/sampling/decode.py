@@ -1,5 +1,6 @@
 """The decode primitive every rollout engine and the cost programs (`jopd.sizing.cost`) are made of: `prefill`
-(prompts into a KV cache, the logits of each prompt's last position), `pick` (one step's token choice from raw
+(prompts into a KV cache, the logits of each prompt's last position; `prefill_at` for rows with a
+response already), `pick` (one step's token choice from raw
 logits) and `decode_step` (one token per row through the model against the cache, then `pick`). No other module
 runs the cached forward or spells the choice out again.
 
@@ -67,6 +68,22 @@ def prefill(params: transformer.Params, prompt_BxP: Int[Array, "B P"], prompt_ma
     logits_BxV = transformer.logits_from_hidden(params, hidden[:, -1:], dtype=precision.dtype,
                                                 logits_dtype=precision.logits_jnp_dtype)[:, 0]
     return (logits_BxV, cache, *routing)
+
+
+def prefill_at(params: transformer.Params, tokens_BxT: Int[Array, "B T"], kv_mask_BxS: Bool[Array, "B S"],
+               at_B: Int[Array, "B"], cache: transformer.KVCache, *, cfg: ModelConfig, precision: PrecisionConfig):
+    """Rows laid out as the cache holds them (prompt in [0, P), response so far from P on; `kv_mask_BxS` marks the
+    real slots, its first T columns the fed tokens') into cache slots [0, T) in one forward; returns the logits at
+    each row's position `at_B` (its last real token) and the cache. The partial-rollout engine's re-prefill of a
+    carried row (`sampling.partial`)."""
+    T = tokens_BxT.shape[1]
+    hidden, cache = transformer.forward(params, tokens_BxT, attn_mask_BxT=kv_mask_BxS[:, :T], cache=cache,
+                                        cache_index=0, kv_mask_BxS=kv_mask_BxS, return_hidden=True,
+                                        **_forward_kwargs(cfg, precision))[:2]
+    last = jnp.take_along_axis(hidden, at_B[:, None, None], axis=1)  # [B, 1, D]
+    logits_BxV = transformer.logits_from_hidden(params, last, dtype=precision.dtype,
+                                                logits_dtype=precision.logits_jnp_dtype)[:, 0]
+    return logits_BxV, cache
 
 
 def decode_step(params: transformer.Params, tok_B: Int[Array, "B"], cache: transformer.KVCache,

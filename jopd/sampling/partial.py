@@ -111,13 +111,9 @@ def _reprefill(params, carry: Carry, cache, *, cfg, precision, sampling, P: int,
     ell = carry.lengths_S
     kv_mask = jnp.concatenate([carry.prompt_mask_SxP.astype(bool), jnp.arange(N)[None, :] < ell[:, None]], axis=1)
     tokens = jnp.concatenate([carry.prompt_SxP, carry.tokens_SxN[:, :width]], axis=1)
-    hidden, cache = transformer.forward(params, tokens, cfg=cfg, attn_mask_BxT=kv_mask[:, :P + width], cache=cache,
-                                        cache_index=0, kv_mask_BxS=kv_mask, return_hidden=True, dtype=precision.dtype,
-                                        logits_dtype=precision.logits_jnp_dtype)[:2]
-    at = jnp.minimum(P + ell - 1, P + width - 1)  # a finished row's may lie beyond: its pick is discarded
-    last = jnp.take_along_axis(hidden, at[:, None, None], axis=1)  # [S, 1, D]
-    logits = transformer.logits_from_hidden(params, last, dtype=precision.dtype,
-                                            logits_dtype=precision.logits_jnp_dtype)[:, 0]
+    # a finished row's last position may lie beyond the width: its pick is discarded
+    logits, cache = decode.prefill_at(params, tokens, kv_mask, jnp.minimum(P + ell - 1, P + width - 1), cache,
+                                      cfg=cfg, precision=precision)
     t = jnp.minimum(ell, N - 1)  # a finished row's pick is discarded
     u = jnp.take_along_axis(carry.uniforms_SxN, t[:, None], axis=1)[:, 0]
     return decode.pick(logits, u, carry.keys_Sx2, t, precision=precision, sampling=sampling), cache

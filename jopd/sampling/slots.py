@@ -57,7 +57,7 @@ def sample_slots(
     if R != U * group or L != P + N or S % shards or R % shards or S > R:
         raise ValueError(f"slot engine: {U} prompts x group {group} != {R} rows, or cache length {L} != P + N = "
                          f"{P + N}, or {S} slots not a divisor-compatible count <= {R} rows over {shards} shards")
-    Sl, Rl, Ul = S // shards, R // shards, U // shards
+    Sl, Rl = S // shards, R // shards
     V = cfg.vocab_size
     params = transformer.unstack_layers(params)
     choice = dict(precision=precision, sampling=sampling)
