@@ -20,6 +20,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
+    from jopd.run import device_split
+
+    # rollout.placement=process with rollout.sampler_devices: this process keeps the devices the sampler process
+    # leaves, set before anything starts jax's backend (on GPU / TPU a later restriction is impossible)
+    device_split.restrict_trainer(cfg)
     from jopd.lab.probe import training_probe
     from jopd.run.loop import train
 

@@ -16,9 +16,11 @@ exchange directory; a worker that dies is restarted from the last params written
 samples are again the in-place k-lag mode's (tests/opd/test_process_sampler.py). A multi-process (multi-host)
 trainer starts one worker per process, which samples that process's rows
 (tests/opd/test_process_sampler_multihost.py). The worker sees the devices its environment gives it (the same as
-the trainer's on CPU; chips of its own on an accelerator are not built). `jopd aot` sizes and predicts the split on
-a TPU topology (`jopd.sizing`: the sampler's stages on its chips, the trainer's on the rest, the weight transfer
-timed on the ICI)."""
+the trainer's on CPU) unless `rollout.sampler_devices` = N gives it devices of its own: the first N of the host's,
+the trainer keeping the rest (`run.device_split`: on GPU / TPU each process is restricted before its backend starts;
+on CPU the worker gets N simulated devices and the trainer's mesh here skips the process's first N). `jopd aot`
+sizes and predicts the disaggregated split on a TPU topology (`jopd.sizing`: the sampler's stages on its chips, the
+trainer's on the rest, the weight transfer timed on the ICI)."""
 
 from __future__ import annotations
 
@@ -39,9 +41,22 @@ def in_process_of_its_own(cfg: RunConfig) -> bool:
     return cfg.rollout.placement == "process"
 
 
+def worker_devices(cfg: RunConfig) -> int:
+    """N: the devices of the sampler's worker process of its own (`rollout.placement=process` with
+    `rollout.sampler_devices`; `run.device_split`), 0 when it shares the trainer's."""
+    return cfg.rollout.sampler_devices if in_process_of_its_own(cfg) else 0
+
+
 def check_placement(cfg: RunConfig, num_devices: int) -> None:
     """`rollout.placement` / `rollout.sampler_devices` against the devices: one-line errors naming the field."""
-    n = cfg.rollout.sampler_devices  # without disaggregated a count is refused by `validate.check_run`
+    n = cfg.rollout.sampler_devices  # colocated, a count is refused by `validate.check_run`
+    if worker_devices(cfg):
+        from jopd.opd.shardings import sampler_mesh_sizes
+
+        if jax.process_count() > 1:
+            raise ValueError(f"rollout.sampler_devices={n}: with rollout.placement=process, one trainer process "
+                             f"only (a multi-process trainer's workers on devices of their own are not built)")
+        sampler_mesh_sizes(cfg.sampling.mesh, n, "rollout.sampler_devices gives the sampler process")
     if not disaggregated(cfg):
         return
     if jax.process_count() > 1:
@@ -55,12 +70,22 @@ def check_placement(cfg: RunConfig, num_devices: int) -> None:
 def split_devices(cfg: RunConfig, devices: Sequence[jax.Device] | None = None
                   ) -> tuple[list[jax.Device], list[jax.Device]]:
     """(the trainer's devices, the sampler's): all of them for both when colocated; disaggregated, the first
-    `rollout.sampler_devices` are the sampler's and the rest the trainer's."""
+    `rollout.sampler_devices` are the sampler's and the rest the trainer's; in a worker process of its own (with
+    `rollout.sampler_devices`) the trainer's share, and none for the sampler here."""
     devices = list(jax.devices() if devices is None else devices)
     check_placement(cfg, len(devices))
+    n = cfg.rollout.sampler_devices
+    if worker_devices(cfg):
+        # in the sampler's worker process: on CPU it has N simulated devices of its own, the trainer's mesh leaves
+        # the first N of this process's alone; on an accelerator this process sees only its own share already
+        if devices[0].platform != "cpu":
+            return devices, []
+        if not 1 <= n < len(devices):
+            raise ValueError(f"rollout.sampler_devices={n}: must be between 1 and {len(devices) - 1} (the sampler "
+                             f"process's share of the {len(devices)} devices; the trainer keeps the rest)")
+        return devices[n:], []
     if not disaggregated(cfg):
         return devices, devices
-    n = cfg.rollout.sampler_devices
     return devices[n:], devices[:n]
 
 

@@ -76,8 +76,17 @@ def sampler_mesh(cfg: RunConfig, mesh: Mesh, devices=None) -> Mesh:
         return mesh
     pool = np.asarray(mesh.devices).reshape(-1) if devices is None else np.asarray(list(devices), dtype=object)
     where = "the trainer's mesh has" if devices is None else "rollout.sampler_devices gives the sampler"
+    full = sampler_mesh_sizes(layout, pool.size, where)
+    # as `make_mesh`: an optional axis (expert) of size 1 is left out, so the rules' programs match the trainer's
+    names = tuple(a for a in full if a not in meshlib.OPTIONAL_AXES or full[a] > 1)
+    return Mesh(pool.reshape(tuple(full[a] for a in names)), names,
+                axis_types=(mesh.axis_types[0],) * len(names))
+
+
+def sampler_mesh_sizes(layout: meshlib.MeshConfig | None, n: int, where: str) -> dict[str, int]:
+    """`layout`'s (`sampling.mesh`; `{data: -1}` when None) axis sizes over `n` devices; one-line errors naming
+    `sampling.mesh` and the devices (`where` says whose)."""
     layout = meshlib.MeshConfig() if layout is None else layout
-    n = pool.size
     sizes = layout.sizes()
     fixed = {a: s for a, s in sizes.items() if s != -1}
     for a, s in fixed.items():
@@ -88,17 +97,16 @@ def sampler_mesh(cfg: RunConfig, mesh: Mesh, devices=None) -> Mesh:
         axes = " x ".join(f"sampling.mesh.{a}={s}" for a, s in fixed.items() if s != 1)
         raise ValueError(f"{axes or 'sampling.mesh'}: {known} devices, but {where} {n} (the sizes "
                          f"must multiply to the device count; one axis may be -1)")
-    full = {a: n // known if s == -1 else s for a, s in sizes.items()}
-    # as `make_mesh`: an optional axis (expert) of size 1 is left out, so the rules' programs match the trainer's
-    names = tuple(a for a in full if a not in meshlib.OPTIONAL_AXES or full[a] > 1)
-    return Mesh(pool.reshape(tuple(full[a] for a in names)), names,
-                axis_types=(mesh.axis_types[0],) * len(names))
+    return {a: n // known if s == -1 else s for a, s in sizes.items()}
 
 
 def step_shardings(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ...], mesh,
                    optimizer: optax.GradientTransformation, running_baseline: bool = False,
                    sampler_devices=None) -> StepShardings:
     """`sampler_devices`: the sampler's own devices (`rollout.placement=disaggregated`); None: the trainer's."""
+    if cfg.rollout.placement == "process" and cfg.rollout.sampler_devices:
+        # the sampler's mesh is the worker's own, over its devices (`run.sampler_process`): this side never samples
+        cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, mesh=None))
     train_rules = meshlib.rules_for("train", cfg.mesh)
     own = sampler_devices is not None
     layout = cfg.sampling.mesh if cfg.sampling.mesh is not None or not own else \

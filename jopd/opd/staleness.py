@@ -48,7 +48,9 @@ class RolloutConfig:
     # process: the sampler in a worker process of its own (`jopd.run.sampler_process`), the params and rollouts
     # exchanged as TensorStore arrays in `exchange_dir`; a worker that dies is restarted.
     placement: Literal["colocated", "disaggregated", "process"] = "colocated"
-    sampler_devices: int = pydantic.Field(0, ge=0)  # disaggregated: how many devices the sampler gets
+    # disaggregated / process: how many devices the sampler gets (process: a worker on the host's first N devices,
+    # the trainer on the rest: `run.device_split`; 0: the worker sees the trainer's devices)
+    sampler_devices: int = pydantic.Field(0, ge=0)
     # process: a local directory or gs://bucket/path both sides reach (default <train.out_dir>/exchange)
     exchange_dir: str | None = None
     # process: how many steps' requests the sampler process holds, this step's and the next queue - 1 (their params

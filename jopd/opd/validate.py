@@ -63,9 +63,9 @@ def check_run(cfg: "RunConfig") -> None:
                           f"sample with the initial parameters)")
     if cfg.rollout.placement == "disaggregated" and not cfg.rollout.sampler_devices:
         raise ConfigError("rollout.sampler_devices: rollout.placement=disaggregated needs the sampler's device count")
-    if cfg.rollout.sampler_devices and cfg.rollout.placement != "disaggregated":
+    if cfg.rollout.sampler_devices and cfg.rollout.placement == "colocated":
         raise ConfigError(f"rollout.sampler_devices={cfg.rollout.sampler_devices}: only with "
-                          f"rollout.placement=disaggregated")
+                          f"rollout.placement=disaggregated or process")
     if cfg.rollout.exchange_dir is not None and cfg.rollout.placement != "process":
         raise ConfigError(f"rollout.exchange_dir={cfg.rollout.exchange_dir}: only with rollout.placement=process")
     where = cfg.rollout.exchange_dir

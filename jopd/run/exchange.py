@@ -150,9 +150,11 @@ class Exchange:
         self._write("request", str(step), rows, {"step": step, "version": version,
                                                 "key": np.asarray(key_data).tolist()})
 
-    def write_rollout(self, step: int, fields: dict[str, np.ndarray], iterations: int, pid: int = 0) -> None:
-        """`pid`: the worker's (which worker answered, after a restart)."""
-        self._write("rollout", str(step), fields, {"step": step, "iterations": iterations, "pid": pid})
+    def write_rollout(self, step: int, fields: dict[str, np.ndarray], iterations: int, pid: int = 0,
+                      devices: int = 0) -> None:
+        """`pid`: the worker's (which worker answered, after a restart); `devices`: its device count."""
+        self._write("rollout", str(step), fields, {"step": step, "iterations": iterations, "pid": pid,
+                                                   "devices": devices})
 
     def pending_request(self) -> int | None:
         """The first step with a request and no rollout yet (None: nothing to do). The rollouts are listed first:

@@ -23,7 +23,7 @@ from jopd.data.toy_tokenizer import special_token_ids
 from jopd.losses.compute import per_task_means
 from jopd.run.checkpoint import Checkpointer, PreemptionGuard
 from jopd.run.evaluate import compare_table, evaluate_heldout
-from jopd.run import stall
+from jopd.run import device_split, stall
 from jopd.run.lookahead import Lookahead
 from jopd.run.sampler_process import ProcessSampler
 from jopd.run.guards import RunGuard, loggable
@@ -54,6 +54,9 @@ class OPDRun:
 
 def build(cfg: RunConfig, log=print) -> tuple[OPDRun, TrainState]:
     """Models (loaded, or the testbed's, trained once and cached), mesh and step; the initial train state."""
+    # a sampler process on devices of its own: this process keeps the rest, set before its backend starts (`jopd
+    # train` did it already; an error if the backend started first)
+    device_split.restrict_trainer(cfg)
     maybe_initialize()
     precheck_sources(cfg)  # vocab / template mismatch, missing files: fail before any compute
     # a mesh the devices cannot form fails here, before any model is trained; disaggregated, over the trainer's share

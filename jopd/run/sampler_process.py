@@ -14,6 +14,10 @@ order), its params version (loaded once), `OPDStep.sync_policy`, `OPDStep.sample
 the rollout's arrays. The trainer turns them into the very `Rollout` the in-place mode makes (`OPDStep.rollout`).
 A read step's request and rollout are deleted, and the params versions no unread request reads.
 
+With `rollout.sampler_devices` = N the worker runs on the host's first N devices and the trainer on the rest (each
+side's environment: `run.device_split`); its step's mesh is then the sampler's (`sampling.mesh`, `{data: -1}` when
+unset), and each rollout's marker says its device count.
+
 A worker that exits (killed, crashed) is seen while the trainer polls: it is restarted and answers the pending
 requests (in the store: a queue survives it) with the params versions they read, so no step is lost or sampled
 twice (a rollout is read only once its marker is whole; a step with a rollout is not pending). A worker that
@@ -45,7 +49,7 @@ import jax
 import numpy as np
 
 from jopd.parallel.distributed import gather_to_host
-from jopd.run import stall
+from jopd.run import device_split, stall
 from jopd.run.exchange import Exchange
 
 # jax options a worker takes from its trainer, set before its backend starts (a caller may set them in code, not in
@@ -100,9 +104,13 @@ class ProcessSampler:
         self.trainer = (jax.process_index(), jax.process_count())  # whose rows the worker samples
         self.exchange = Exchange(exchange_dir(cfg, self.trainer))
         self.exchange.clear()
-        self._args = (cfg, student_cfg, tuple(teacher_cfgs), self.exchange.root, os.getpid(),
-                      {k: os.environ[k] for k in ENV if k in os.environ},
-                      {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)}, self.trainer)
+        env = {k: os.environ[k] for k in ENV if k in os.environ}
+        options = {k: getattr(jax.config, k) for k in JAX_OPTIONS if hasattr(jax.config, k)}
+        split = device_split.host_split(cfg)  # rollout.sampler_devices: the worker's own devices
+        if split is not None:
+            env, options = env | split.worker_env, options | split.worker_options
+        self._args = (cfg, student_cfg, tuple(teacher_cfgs), self.exchange.root, os.getpid(), env, options,
+                      self.trainer)
         self.process = None
         # the params versions written: decided here, not from the store, so every trainer process gathers the
         # same versions at the same steps (`flat_params` is a collective)
@@ -110,6 +118,7 @@ class ProcessSampler:
         self.restarts = 0  # over the run
         self.unread: dict[int, int] = {}  # step -> params version: the requests written, their rollout not read yet
         self.sampled_by: dict[int, int] = {}  # step -> the pid of the worker that wrote its rollout (read ones)
+        self.worker_devices: int | None = None  # the device count the last rollout's worker reported
         self._start()
 
     def _start(self) -> None:
@@ -152,6 +161,7 @@ class ProcessSampler:
         self.exchange.delete("rollout", step)
         del self.unread[step]
         self.sampled_by[step] = meta["pid"]
+        self.worker_devices = meta.get("devices")
         if self.unread:  # the versions the queued requests read stay
             self.exchange.drop_params_before(min(self.unread.values()))
         iterations = np.int32(meta["iterations"])
@@ -251,12 +261,17 @@ def one_host(cfg, count: int):
 
 def sampling_side(cfg, student_cfg, teacher_cfgs):
     """The step of `cfg`, colocated on this process's devices: only its weight sync and sampler are used (the
-    other stages are jit wrappers never called, so never compiled)."""
+    other stages are jit wrappers never called, so never compiled). With `rollout.sampler_devices` (this process's
+    own devices) its mesh is the sampler's, `sampling.mesh`'s shape (`{data: -1}` when unset), as disaggregated;
+    else the trainer's `mesh`."""
     from jopd import parallel as meshlib
     from jopd.opd.step import build_step
 
-    local = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated",
-                                                                 exchange_dir=None, queue=1))
+    mesh_cfg = cfg.mesh
+    if cfg.rollout.sampler_devices:
+        mesh_cfg = cfg.sampling.mesh or meshlib.MeshConfig(on_indivisible=cfg.mesh.on_indivisible)
+    local = dataclasses.replace(cfg, mesh=mesh_cfg, rollout=dataclasses.replace(
+        cfg.rollout, placement="colocated", sampler_devices=0, exchange_dir=None, queue=1))
     mesh = meshlib.make_mesh(local.mesh, jax.devices())
     return build_step(local, student_cfg, teacher_cfgs, mesh)
 
@@ -283,4 +298,4 @@ def serve(opd, ex: Exchange, parent: int, trainer: tuple[int, int] = (0, 1)) -> 
         with jax.set_mesh(opd.mesh):  # the sampler's activation constraints, as in the trainer's loop
             sample, iterations, _, _ = opd.sample_rows(opd.sync_policy(loaded[1], key), rows, step, trainer)
         fields = {k: np.asarray(v) for k, v in jax.device_get(sample._asdict()).items() if v is not None}
-        ex.write_rollout(step, fields, int(jax.device_get(iterations)), os.getpid())
+        ex.write_rollout(step, fields, int(jax.device_get(iterations)), os.getpid(), jax.device_count())

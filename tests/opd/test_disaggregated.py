@@ -31,11 +31,15 @@ def _train(cfg, steps: int):
     run, state = build(cfg, log=lambda *_: None)
     opd, data = run.step, train_iterator(cfg.data, run.tokenizer, kind="prompt")
     tokens, metrics = [], []
-    for t in range(steps):
-        with jax.set_mesh(opd.mesh):
-            state, m, rollout = opd(state, run.teacher_params, next(data), t)
-        tokens.append(np.asarray(rollout.sample.tokens_BxN))
-        metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
+    try:
+        for t in range(steps):
+            with jax.set_mesh(opd.mesh):
+                state, m, rollout = opd(state, run.teacher_params, next(data), t)
+            tokens.append(np.asarray(rollout.sample.tokens_BxN))
+            metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
+    finally:
+        if opd.remote is not None:  # a sampler process (rollout.placement=process) stops with the run
+            opd.remote.close()
     return opd, state, tokens, metrics
 
 
@@ -88,7 +92,7 @@ def test_the_update_leaves_the_window_out_so_the_next_rollout_need_not_wait(tmp_
 def test_placement_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"^RunConfig.rollout.sampler_devices: rollout.placement=disaggregated needs"):
         _config(tmp_path, "rollout.placement=disaggregated")
-    with pytest.raises(ConfigError, match=r"^RunConfig.rollout.sampler_devices=2: only with rollout.placement=disaggregated"):
+    with pytest.raises(ConfigError, match=r"^RunConfig.rollout.sampler_devices=2: only with rollout.placement=disaggregated or process"):
         _config(tmp_path, "rollout.sampler_devices=2")
     cfg = _config(tmp_path, "rollout.placement=disaggregated", "rollout.sampler_devices=8")
     with pytest.raises(ValueError, match=r"^rollout.sampler_devices=8: must be between 1 and 7"):
@@ -99,19 +103,44 @@ def test_placement_errors_name_the_field(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_loop_trains_with_the_sampler_running_beside_the_update(tmp_path):
+def test_the_loop_trains_with_the_sampler_running_beside_the_update(tmp_path, monkeypatch):
     """`jopd train`'s loop dispatches step n+1's rollout before it reads step n's metrics: the two programs on
     their two device sets run together (XLA:CPU's simulated devices included) and the run ends as the direct
-    step calls do."""
+    step calls do.
+    The direct run is also the reference of rollout.placement=process with rollout.sampler_devices=4: the sampler
+    in a worker process on 4 CPU devices of its own (it reports its device count), the trainer on devices 4..7 of
+    its process, the same sampler mesh {data: 4}: the very same tokens, the same loss and params (the same trainer
+    programs on the same devices)."""
+    from jopd.opd.step import OPDStep
     from jopd.run.loop import train
 
     # with the loop's stall watchdog on (`run.stall`): it polls each step's rollout and update before reading them
     cfg = _config(tmp_path, "rollout.staleness=1", *SPLIT, "train.steps=4", "train.stall_timeout_s=300")
     summary = train(cfg, log=lambda *_: None)
-    _, _, tokens, metrics = _train(_config(tmp_path, "rollout.staleness=1", *SPLIT, "train.steps=4"), 4)
+    _, state, tokens, metrics = _train(_config(tmp_path, "rollout.staleness=1", *SPLIT, "train.steps=4"), 4)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in logged if "loss" in m]
     assert [m["step"] for m in logged] == [1, 2, 3, 4] and summary["steps"] == 4
     for got, want in zip(logged, metrics):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
         assert got["rollout_lag"] == want["rollout_lag"]
+
+    def not_here(*_):
+        raise AssertionError("sampled in the trainer's process")
+
+    monkeypatch.setattr(OPDStep, "sample_rows", not_here)  # this process's class only: the worker samples
+    (tmp_path / "process").mkdir()
+    cfg = _config(tmp_path / "process", "rollout.staleness=1", "rollout.placement=process",
+                  "rollout.sampler_devices=4", "train.steps=4", "train.stall_timeout_s=300")
+    opd, got_state, got_tokens, got_metrics = _train(cfg, 4)
+    assert opd.remote is not None and opd.remote.worker_devices == 4 and jax.device_count() == 8
+    assert _devices(got_state) == _devices(state) == set(jax.devices()[4:])  # the trainer's state: 4..7 only
+    for t in range(4):
+        np.testing.assert_array_equal(got_tokens[t], tokens[t], err_msg=f"step {t}")
+        assert got_metrics[t]["rollout_lag"] == metrics[t]["rollout_lag"] == min(t, 1)
+        for key in ("loss", "mismatch_kl", "mismatch_kl_staleness"):
+            np.testing.assert_allclose(got_metrics[t][key], metrics[t][key], rtol=1e-6, atol=1e-9, err_msg=key)
+    assert metrics[3]["mismatch_kl_staleness"] > 1e-4  # the params moved: a lagged policy was sampled
+    got, want = jax.device_get((got_state.params, got_state.policies)), jax.device_get((state.params, state.policies))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

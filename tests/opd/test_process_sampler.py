@@ -12,6 +12,7 @@ import pytest
 
 from jopd.config_dataclass import ConfigError
 from jopd.data.pipeline import train_iterator
+from jopd.opd import placement
 from jopd.opd.step import OPDStep
 from jopd.run import exchange as exlib
 from jopd.run.lookahead import Lookahead
@@ -260,5 +261,17 @@ def test_process_placement_errors_name_the_field(tmp_path):
     cfg = _config(tmp_path, "rollout.placement=process", "rollout.exchange_dir=gs://bkt/x")  # accepted
     assert exlib.kvstore_spec(cfg.rollout.exchange_dir) == {"driver": "gcs", "bucket": "bkt", "path": "x/"}
     with pytest.raises(ConfigError, match=r"^RunConfig.rollout.sampler_devices=2: only with "
-                                          r"rollout.placement=disaggregated"):
-        _config(tmp_path, "rollout.placement=process", "rollout.sampler_devices=2")
+                                          r"rollout.placement=disaggregated or process$"):
+        _config(tmp_path, "rollout.sampler_devices=2")
+    # rollout.sampler_devices with placement process: the worker's share of the process's 8 devices, checked before
+    # the worker starts (`run.device_split`, `opd.placement`)
+    cfg = _config(tmp_path, "rollout.placement=process", "rollout.sampler_devices=8")
+    with pytest.raises(ConfigError, match=r"^rollout.sampler_devices=8: must be between 1 and 7 \(the sampler "
+                                          r"process's share of this host's 8 CPU devices"):
+        build(cfg, log=lambda *_: None)
+    cfg = _config(tmp_path, "rollout.placement=process", "rollout.sampler_devices=4", "sampling.mesh.data=3")
+    with pytest.raises(ValueError, match=r"^sampling.mesh.data=3: does not divide the 4 devices "
+                                         r"rollout.sampler_devices gives the sampler process$"):
+        build(cfg, log=lambda *_: None)
+    assert placement.split_devices(_config(tmp_path, "rollout.placement=process", "rollout.sampler_devices=3")) == \
+        (jax.devices()[3:], [])  # the trainer's share on CPU; none of the sampler's in this process
