@@ -520,11 +520,13 @@ def attention_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int
         steps = _decode_steps(step, ins)
         costs.append((steps, decode_cost(step.student_cfg, ins.slots, Pl, N, jnp.dtype(precision.cache_dtype).itemsize,
                                          platform), precision.dtype))
-        if ins.carry is not None and implementation(step.student_cfg, "cached", T, platform) not in SEEN_BY_XLA:
-            # the re-prefill: T = P + N queries against as many slots, taken as a blockwise causal forward
+        # the re-prefill: T = P + N queries against as many cache slots, a cached call of T > 1 (the decode
+        # kernel's entry, splash, runs chunked's blocks then), taken as a blockwise causal forward
+        impl = implementation(step.student_cfg, "cached", T, platform)
+        impl = "chunked" if impl == "splash" else impl
+        if ins.carry is not None and impl not in SEEN_BY_XLA:
             flops, bytes_ = causal_forward(step.student_cfg, ins.slots, T, jnp.dtype(precision.dtype).itemsize)
-            costs.append((1, AttentionCost(implementation(step.student_cfg, "cached", T, platform) + " re-prefill",
-                                           flops, bytes_), precision.dtype))
+            costs.append((1, AttentionCost(impl + " re-prefill", flops, bytes_), precision.dtype))
     elif stage == "teacher_scoring":
         dtype = teacher_compute_dtype(cfg)
         for t_cfg, rows in zip(step.teacher_cfgs, teacher_rows(step)):
