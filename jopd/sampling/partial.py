@@ -104,10 +104,10 @@ def reprefill_width(lengths_S, finished_S, max_new_tokens: int) -> int:
     return min(N, max(-(-N // 4), 1 << max(need - 1, 0).bit_length()))
 
 
-def _reprefill(params, carry: Carry, cache, *, cfg, precision, sampling, P: int, N: int, width: int):
+def reprefill(params, carry: Carry, cache, *, cfg, precision, sampling, P: int, N: int, width: int):
     """Each carried row's prompt + response so far (its first `width` columns hold every live row's) through the
     model into its slot's cache (one batched forward), and its next token picked at t = its length from the last
-    real position's logits."""
+    real position's logits. (`jopd aot` costs it on its own: `sizing.cost`.)"""
     ell = carry.lengths_S
     kv_mask = jnp.concatenate([carry.prompt_mask_SxP.astype(bool), jnp.arange(N)[None, :] < ell[:, None]], axis=1)
     tokens = jnp.concatenate([carry.prompt_SxP, carry.tokens_SxN[:, :width]], axis=1)
@@ -205,7 +205,7 @@ def sample_partial(
 
     # 2. The carried rows, slot s <- carry row s: re-prefilled with these params, their next token picked.
     width = N if reprefill_width is None else reprefill_width
-    picked, cache = _reprefill(params, carry, cache, cfg=cfg, precision=precision, sampling=sampling, P=P, N=N,
+    picked, cache = reprefill(params, carry, cache, cfg=cfg, precision=precision, sampling=sampling, P=P, N=N,
                                width=width)
     slot_rows = jnp.arange(S)
     out, ended = record(out, jnp.where(carried_live, slot_rows, M), carry.lengths_S, picked, 0)

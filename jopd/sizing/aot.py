@@ -102,9 +102,10 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                                                         resident, count[name], stage_mesh,
                                                         time.perf_counter() - t0))
         jobs = None
-        if chip is not None:  # the memory pass's sampler program stands for the prefill (a MoE student's: not)
-            jobs = submit_cost_programs(step, inputs, wanted, pool,
-                                        sampler="sample" in wanted and not s_cfg.sparse_layers)
+        if chip is not None:  # the memory pass's sampler program stands for the prefill (a MoE student's, or the
+            # partial program with its re-prefill: not)
+            jobs = submit_cost_programs(step, inputs, wanted, pool, sampler="sample" in wanted and
+                                        not s_cfg.sparse_layers and inputs.carry is None)
         pool.run()
         done = pool.wait(wanted, f"AOT compile ({target}, {pool.threads} at once)", progress)
         reports = [done[name] for name in wanted]
@@ -139,7 +140,18 @@ def compile_opd_step(cfg: RunConfig, devices: Sequence[Any] | None = None, *, ta
                      roofline=roofline,
                      sampler_mesh=dict(step.sampler_mesh.shape) if step.shardings.own_sampler_layout else None,
                      sampler_devices=len(own_devices) if on_sampler else 0,
-                     compile_threads=pool.threads, wall_s=time.perf_counter() - start)
+                     compile_threads=pool.threads, wall_s=time.perf_counter() - start,
+                     notes=partial_notes(step, inputs) if "sample" in wanted else [])
+
+
+def partial_notes(step, ins) -> list[str]:
+    """What the sample stage is with `rollout.partial` (empty otherwise): the partial program, at which width."""
+    if ins.carry is None:
+        return []
+    P, N, S = step.cfg.data.max_prompt_len, ins.partial_width, ins.slots
+    return [f"sample: the partial-rollouts program (rollout.partial) at re-prefill width {N}, the largest bucket "
+            f"(worst case: all {S} carried rows re-prefilled over P + {N} = {P + N} positions; a step runs the "
+            f"longest carried response's bucket), with the carry ({S} rows) as its argument"]
 
 
 def _memory_report(name: str, lowered, text: str | None, resident: dict[str, int], devices: int, stage_mesh,

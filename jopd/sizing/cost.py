@@ -28,7 +28,8 @@ from jopd.sizing.stages import (StepInputs, abstract, bytes_per_device, compile_
 from jopd.opd.batch import scoring_input
 from jopd.opd.resolve import teacher_compute_dtype
 from jopd.sizing.compile_pool import CompilePool
-from jopd.sizing.attention_cost import causal_cost, causal_model_flops, decode_cost
+from jopd.sizing.attention_cost import (SEEN_BY_XLA, AttentionCost, causal_cost, causal_forward, causal_model_flops,
+                                        decode_cost, implementation)
 from jopd.sizing.moe_cost import expert_cost
 from jopd.sizing.roofline import CHIP_PEAKS, F32_PASSES, Cost, Part, Roofline, StageCost, loop_notes, model_flops
 from jopd.run.config import RunConfig
@@ -37,6 +38,7 @@ from jopd.losses.compute import loss_chunk
 from jopd.opd.step import OPDStep, build_step
 from jopd.sampling import decode
 from jopd.sampling.engines import engine_of
+from jopd.sampling.partial import partial_schedule, reprefill
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,6 +67,7 @@ class Programs:
 
 
 SAMPLER = "sampler program"  # the memory pass's own sampler program: prefill + one decode step (its loop body once)
+ROLLOUT_PROGRAMS = ("prefill", "decode", "re-prefill")  # the sampler's cost programs (`_rollout_programs`)
 
 
 def cost_programs(step: OPDStep, ins: StepInputs, sampler: bool = False) -> Programs:
@@ -150,7 +153,7 @@ class _Variants:
         def lower():
             flat, ins = self.at(layers, chunk, split)  # outside the mesh: building a step runs optax's init eagerly
             # the experts' grouped matmuls are counted analytically (`moe_parts`), not by XLA's cost analysis
-            with jax.set_mesh(flat.sampler_mesh if kind in ("prefill", "decode") else flat.mesh), \
+            with jax.set_mesh(flat.sampler_mesh if kind in ROLLOUT_PROGRAMS else flat.mesh), \
                     moe.grouped_matmuls_stand_in(), unrolled_chunks() if unrolled else contextlib.nullcontext():
                 return self._lower(kind, flat, ins)
 
@@ -158,7 +161,7 @@ class _Variants:
 
     @staticmethod
     def _lower(kind: str, flat: OPDStep, ins: StepInputs):
-        if kind in ("prefill", "decode"):
+        if kind in ROLLOUT_PROGRAMS:
             return _rollout_programs(flat, ins)[kind][1]()
         if kind == "score":
             score = jax.jit(_unjitted(flat.score_fn), out_shardings=flat.shardings.batch)
@@ -244,9 +247,27 @@ def _decode(step: OPDStep, params, tok_B, cache, kv_mask_BxS, positions_B, cache
     return _choice_out(step, c, cache)
 
 
+def _reprefill(step: OPDStep, params, carry, cache):
+    """The partial program's re-prefill (`sampling.partial.reprefill`) at its largest width: every carried row's
+    prompt + N response columns into its slot, its next token chosen."""
+    P, N = step.cfg.data.max_prompt_len, step.cfg.sampling.max_new_tokens
+    c, cache = reprefill(params, carry, cache, cfg=step.student_cfg, precision=step.sampler.precision,
+                         sampling=step.sampler.sampling, P=P, N=N, width=N)
+    return _choice_out(step, c, cache)
+
+
+def partial_decode_steps(rows: int, slots: int, new_tokens: int) -> int:
+    """The partial program's decode passes (`sampling.partial.partial_schedule`, exact) when every row runs to
+    `new_tokens`, the worse of the carried rows not started (the priming's) or each holding one token."""
+    S, R, N = slots, rows, new_tokens
+    return max(partial_schedule([held] * S, [False] * S, [N] * (S + R), S, R).passes for held in (0, 1))
+
+
 def _rollout_programs(step: OPDStep, ins: StepInputs) -> dict[str, tuple[int, Callable[[], Any]]]:
     """The prefill (U prompts) and the decode step (one row per slot) with the sampler's shardings, each with how
-    often it runs: the decode steps the engine runs when every row decodes max_new_tokens (`Engine.decode_steps`)."""
+    often it runs: the decode steps the engine runs when every row decodes max_new_tokens (`Engine.decode_steps`).
+    With `rollout.partial` (the carry in `ins`), the carried rows' re-prefill too, at the largest width (the worst
+    case: every carried row over P + N positions), and the partial program's decode passes."""
     cfg, sh = step.cfg, step.shardings
     rows, S = step.rollout_rows, ins.slots
     U = rows // step.prefill_group
@@ -263,14 +284,27 @@ def _rollout_programs(step: OPDStep, ins: StepInputs) -> dict[str, tuple[int, Ca
                       out_shardings=token_out | {"cache": _shardings_of(prefill_cache)})
     decode = jax.jit(functools.partial(_decode, step), donate_argnums=2,
                      out_shardings=token_out | {"cache": _shardings_of(ins.cache)})
-    steps = engine.decode_steps(np.full(rows, N), S, step.sampler.shards)
-    return {
+    steps = _decode_steps(step, ins)
+    programs = {
         "prefill": (1, lambda: prefill.lower(ins.sampler_params, *ins.unique, per_row(U, jnp.float32),
                                              per_row(U, jnp.uint32, 2), prefill_cache)),
         "decode": (steps, lambda: decode.lower(ins.sampler_params, per_row(S, jnp.int32), ins.cache,
                                                per_row(S, jnp.bool_, Pl + N), per_row(S, jnp.int32), index,
                                                per_row(S, jnp.float32), per_row(S, jnp.uint32, 2), index)),
     }
+    if ins.carry is not None:
+        again = jax.jit(functools.partial(_reprefill, step), donate_argnums=2,
+                        out_shardings=token_out | {"cache": _shardings_of(ins.cache)})
+        programs["re-prefill"] = (1, lambda: again.lower(ins.sampler_params, ins.carry, ins.cache))
+    return programs
+
+
+def _decode_steps(step: OPDStep, ins: StepInputs) -> int:
+    """The sampler's decode passes when every row decodes max_new_tokens: the engine's, or the partial program's."""
+    rows, N = step.rollout_rows, step.cfg.sampling.max_new_tokens
+    if ins.carry is not None:
+        return partial_decode_steps(rows, ins.slots, N)
+    return engine_of(ins.engine).decode_steps(np.full(rows, N), ins.slots, step.sampler.shards)
 
 
 def _token_keys(step: OPDStep) -> tuple[str, ...]:
@@ -308,7 +342,7 @@ def _queue_cost(step: OPDStep, programs: Programs, key: str, pool: CompilePool) 
     """One loop-free program lowered and queued: its job returns (cost, lowering + compile seconds, the
     compiler's refusal)."""
     on_sampler = sampler_side(step)  # disaggregated: the rollout's programs run on the sampler's own devices
-    rollout_program = key.split(" ", 1)[0] in ("prefill", "decode")
+    rollout_program = key.split(" ", 1)[0] in ROLLOUT_PROGRAMS
     devices = len((step.sampler_mesh if on_sampler and rollout_program else step.mesh).devices.flat)
     t0 = time.perf_counter()
     lowered = programs.lower[key]()
@@ -334,9 +368,11 @@ def predict_step(step: OPDStep, ins: StepInputs, reports: Sequence[StageReport],
     with contextlib.ExitStack() as stack:
         pool = pool or stack.enter_context(CompilePool(1))
         if jobs is None:
-            # the sampler program compiled for memory runs a MoE student's real grouped matmuls: not a cost program
+            # the sampler program compiled for memory runs a MoE student's real grouped matmuls, or the partial
+            # program's re-prefill (its own cost program): not the prefill's cost program then
             jobs = submit_cost_programs(step, ins, [r.name for r in reports], pool,
-                                        sampler=sampler is not None and not step.student_cfg.sparse_layers)
+                                        sampler=sampler is not None and not step.student_cfg.sparse_layers
+                                        and ins.carry is None)
             pool.run()
         programs = jobs.programs
         compiled: dict[str, tuple[Cost | None, float, str | None]] = {SAMPLER: (sampler, 0.0, None)}
@@ -445,7 +481,7 @@ def moe_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int) -> t
         dtype = step.sampler.precision.dtype
         size, group = jnp.dtype(dtype).itemsize, _expert_group(step.sampler_mesh)
         runs.append(("experts[student prefill]", 1, s_cfg, (B // step.prefill_group) * Pl, size, dtype, False, group))
-        steps = engine_of(ins.engine).decode_steps(np.full(B, N), ins.slots, step.sampler.shards)
+        steps = _decode_steps(step, ins)
         runs.append(("experts[student decode]", steps, s_cfg, ins.slots, size, dtype, False, group))
     elif stage == "teacher_scoring":
         dtype, group = teacher_compute_dtype(cfg), _expert_group(step.mesh)
@@ -481,9 +517,16 @@ def attention_parts(step: OPDStep, ins: StepInputs, stage: str, num_devices: int
         U = B // step.prefill_group
         costs.append((1, causal_cost(step.student_cfg, U, Pl, jnp.dtype(precision.dtype).itemsize, platform),
                       precision.dtype))
-        steps = engine_of(ins.engine).decode_steps(np.full(B, N), ins.slots, step.sampler.shards)
+        steps = _decode_steps(step, ins)
         costs.append((steps, decode_cost(step.student_cfg, ins.slots, Pl, N, jnp.dtype(precision.cache_dtype).itemsize,
                                          platform), precision.dtype))
+        # the re-prefill: T = P + N queries against as many cache slots, a cached call of T > 1 (the decode
+        # kernel's entry, splash, runs chunked's blocks then), taken as a blockwise causal forward
+        impl = implementation(step.student_cfg, "cached", T, platform)
+        impl = "chunked" if impl == "splash" else impl
+        if ins.carry is not None and impl not in SEEN_BY_XLA:
+            flops, bytes_ = causal_forward(step.student_cfg, ins.slots, T, jnp.dtype(precision.dtype).itemsize)
+            costs.append((1, AttentionCost(impl + " re-prefill", flops, bytes_), precision.dtype))
     elif stage == "teacher_scoring":
         dtype = teacher_compute_dtype(cfg)
         for t_cfg, rows in zip(step.teacher_cfgs, teacher_rows(step)):
@@ -566,6 +609,12 @@ def _notes(step: OPDStep, stages: Sequence[StageCost], options) -> list[str]:
         notes.append("+passes: fp32 matmuls at Precision.HIGHEST run 6 bf16 MXU passes (HIGH: 3); XLA counts one")
     if step.sampler.engine(step.rollout_rows, step.prefill_group)[0]:
         notes.append("sample: the slot engine's refills (prompt KV copied into a slot) are not counted")
+    if cfg.rollout.partial:
+        S, P, N = step.sampler.engine(step.rollout_rows)[1], cfg.data.max_prompt_len, cfg.sampling.max_new_tokens
+        notes.append(f"sample: the partial program (rollout.partial); its re-prefill at the largest width, the worst "
+                     f"case: every one of the {S} carried rows re-prefilled over P + N = {P + N} positions (a step "
+                     f"runs the longest carried response's bucket); its decode passes with every row to "
+                     f"max_new_tokens (`partial_decode_steps`); the final selection of the R rows not counted")
     if sampler_side(step):
         notes.append("disaggregated: the weight transfer and the rollout's copy back each timed as one ring step of "
                      "the sender's ICI (a point-to-point copy between the two device sets, an assumption); with "

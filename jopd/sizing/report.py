@@ -72,12 +72,15 @@ class AotReport:
     sampler_devices: int = 0  # disaggregated (`opd.placement`): the first ones are the sampler's own; 0: colocated
     compile_threads: int = 1  # programs compiled at once (`sizing.compile_pool`)
     wall_s: float = 0.0  # the whole report's time: lowering and every compile, the memory pass's and the cost's
+    notes: list[str] = dataclasses.field(default_factory=list)  # what a stage's program is, where not the default
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stages"] = [s.to_dict() for s in self.stages]
         d["fits"] = not self.failures()
         d["roofline"] = None if self.roofline is None else self.roofline.to_dict()
+        if not self.notes:  # a default run's report as before
+            del d["notes"]
         return d
 
     def to_json(self) -> str:
@@ -133,6 +136,7 @@ class AotReport:
         lines.append(f"per-device memory ({unit}); +held = buffers of other stages alive meanwhile:")
         lines += [fmt(r) for r in rows]
         lines += [f"  {s.name}: {s.error}" for s in self.stages if s.error]
+        lines += [f"note: {n}" for n in self.notes]
         if self.roofline is not None:
             lines.append(self.roofline.table())
         if self.wall_s:

@@ -20,6 +20,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.opd.batch import RolloutArrays, scoring_input, with_sampler_full_logprobs
 from jopd.opd.cross_teacher import cross_batch_shapes
+from jopd.opd import staleness as stale
 from jopd.opd.staleness import split_window
 from jopd.opd.step import OPDStep, build_step
 from jopd.run.config import RunConfig
@@ -71,6 +72,8 @@ class StepInputs:
     head: tuple  # (the teacher's LM head,) for the full-vocabulary kinds, or ()
     engine: int  # the sampler's program group (0: the static engine)
     slots: int
+    carry: Any = None  # `rollout.partial`: the train state's carry (`sampling.partial.Carry`), the sampler's input
+    partial_width: int = 0  # `rollout.partial`: the re-prefill's response columns sized (the largest bucket, N)
 
 
 def step_inputs(step: OPDStep) -> StepInputs:
@@ -94,8 +97,13 @@ def step_inputs(step: OPDStep) -> StepInputs:
     sb = sh.sampler_batch  # the sampler's rows: on its own mesh with `sampling.mesh`
     unique = sds((U, Pl), jnp.int32, sharding=sb), sds((U, Pl), jnp.bool_, sharding=sb)
     rand = RowRandomness(sds((B, N), jnp.float32, sharding=sb), sds((B, 2), jnp.uint32, sharding=sb))
-    program = step.sampler.program_for(engine)
-    sample = jax.eval_shape(program, sampler_params, *unique, rand, cache)._replace(cache=None, decode_iterations=None)
+    carry = stale.carry_of(state)
+    if carry is not None:  # the partial program's R handed-on rows: the slot engine's shapes, from its own program
+        sample = jax.eval_shape(step.sampler.partial_program(N), *partial_args(step, sampler_params, unique, rand,
+                                                                              cache, carry)).sample
+    else:
+        sample = jax.eval_shape(step.sampler.program_for(engine), sampler_params, *unique, rand, cache)
+    sample = sample._replace(cache=None, decode_iterations=None)
     sample = abstract(sample, jax.tree.map(lambda _: sh.batch, sample))  # what scoring gets: the trainer's layout
     per_row = sds((B,), jnp.float32, sharding=sh.batch) if step.objective.uses_rewards else None
     task = sds((B,), jnp.int32, sharding=sh.batch) if step.loss_cfg.task_names else None  # several tasks
@@ -114,7 +122,28 @@ def step_inputs(step: OPDStep) -> StepInputs:
     head = (head_params(teacher[step.routing.scorer]),) if step.uses_teacher_head else ()
     return StepInputs(state=state, teacher=teacher, key=key, sampler_params=sampler_params, cache=cache,
                       unique=unique, rand=rand, rollout=rollout, reference=reference, batch=batch, head=head,
-                      engine=engine, slots=slots)
+                      engine=engine, slots=slots, carry=carry, partial_width=N if carry is not None else 0)
+
+
+def partial_args(step: OPDStep, params, unique: tuple, rand: RowRandomness, cache, carry) -> tuple:
+    """What `opd.partial_rollout.rollout` passes the partial program (`Sampler.partial_program`): the params, the
+    R new rows' prompts, masks, randomness and row ids on the sampler's rows, the kept cache of S slots, the train
+    state's carry (its own, replicated layout) and the version, a scalar."""
+    rows = unique[0].shape[0]
+    row_id = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=step.shardings.sampler_batch)
+    version = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(step.sampler_mesh, PartitionSpec()))
+    return params, *unique, rand, row_id, cache, carry, version
+
+
+def sample_lowering(step: OPDStep, ins: StepInputs):
+    """A thunk lowering the sample stage's program: with `rollout.partial` the partial program at the worst-case
+    re-prefill width (every carried row at the largest bucket, N; `opd.partial_rollout.rollout` picks the width per
+    step), with the carry as input; else the engine's program."""
+    if ins.carry is not None:
+        args = partial_args(step, ins.sampler_params, ins.unique, ins.rand, ins.cache, ins.carry)
+        return lambda: step.sampler.partial_program(ins.partial_width).lower(*args)
+    program = step.sampler.program_for(ins.engine)
+    return lambda: program.lower(ins.sampler_params, *ins.unique, ins.rand, ins.cache)
 
 
 def sync_inputs(step: OPDStep, params, key) -> tuple:
@@ -169,7 +198,11 @@ def programs_of(step: OPDStep, ins: StepInputs):
     held = lambda *names: {k: buffers[k] for k in names}  # noqa: E731
     # the rollout's part that is not the scoring's argument (the sampler's full log-softmax): alive meanwhile
     rollout_not_scored = buffers["rollout"] - bytes_per_device(scoring_input(ins.rollout).sample)
-    program = step.sampler.program_for(ins.engine)
+    # rollout.partial: the carry, a field of the train state; the partial program's argument, not the update's
+    carry = {}
+    if ins.carry is not None:
+        buffers["carry"] = bytes_per_device(ins.carry)
+        carry = {"carry": buffers["carry"]}
     # the window of past params (`rollout.staleness`): held beside the update, not its argument
     window = {"policy_window": bytes_per_device(split_window(state)[1])} if step.staleness else {}
     sync_in = sync_inputs(step, state.params, ins.key)
@@ -181,14 +214,15 @@ def programs_of(step: OPDStep, ins: StepInputs):
         "weight_sync": (lambda: step.sync_fn.lower(*sync_in),
                         {"opt_state": buffers["train_state"] - bytes_per_device(state.params)}
                         | held(*frozen, "kv_cache")),
-        "sample": (lambda: program.lower(ins.sampler_params, *ins.unique, ins.rand, ins.cache),
-                   held("train_state", *frozen)),
+        "sample": (sample_lowering(step, ins),
+                   (held("train_state", *frozen) if not carry else  # the carry: an argument, counted there
+                    {"train_state_but_carry": buffers["train_state"] - buffers["carry"]} | held(*frozen))),
         "teacher_scoring": (lambda: step.score_fn.lower(teacher, scoring_input(ins.rollout), *reference),
                             held("train_state", "sampler_params", "kv_cache",
                                  *(("projection_table",) if step.crosses else ()))
                             | {"rollout": rollout_not_scored}),
         "train_step": (lambda: step.update_fn.lower(update_state(step, state), ins.batch, *ins.head),
-                       held(*frozen, "kv_cache") | window),
+                       held(*frozen, "kv_cache") | window | carry),
     }
     if step.shardings.sampler_student is not None:
         # disaggregated: the sampler's devices hold its params and KV cache only, the trainer's everything else
