@@ -21,6 +21,7 @@ re-prefill computes its KV in one batched forward instead of one decode step per
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import flax.struct
@@ -83,6 +84,20 @@ def empty_carry(slots: int, prompt_len: int, sampling: SamplingConfig, vocab: in
                  version_SxN=jnp.full((S, N), -1, jnp.int32),
                  full_SxNxV=f(S, N, vocab) if sampling.return_full_logprobs else None,
                  topk_SxNxK=i(S, N, sampling.return_topk) if sampling.return_topk else None)
+
+
+def carry_like(sampling: SamplingConfig, leaf) -> Carry:
+    """A `Carry` of `leaf` in every field (None in those `sampling` does not fill): e.g. its shardings."""
+    names = [f.name for f in dataclasses.fields(Carry)]
+    off = {"full_SxNxV": not sampling.return_full_logprobs, "topk_SxNxK": not sampling.return_topk}
+    return Carry(**{n: None if off.get(n) else leaf for n in names})
+
+
+def priming_rows(slots: int, rows: int, shards: int = 1) -> np.ndarray:
+    """The batch rows whose prompts the S priming rows take: per batch shard its first S/shards rows (so each
+    shard's carry starts from its own prompts)."""
+    j = np.arange(slots)
+    return (j // (slots // shards)) * (rows // shards) + j % (slots // shards)
 
 
 def priming_carry(prompt_SxP, prompt_mask_SxP, rand: RowRandomness, row_id_S, sampling: SamplingConfig,
