@@ -14,6 +14,12 @@ counts: a step takes the carry (S rows) and its R new rows and hands R on, so th
 step's carry is S priming rows the caller supplies (`priming_carry`), else no row would ever be carried and the
 tail would stay.
 
+Batch shards (`shards`, as the slot engine's): each shard runs its own queue, as if alone: its S/shards slots and
+carried rows (the carry's rows h * S/shards .. are shard h's, split over the devices like the batch), its
+R/shards new rows, its own "full" (R/shards of its rows finished, none carried in with tokens live: it then stops
+while the others go on), and it hands on its first R/shards rows to finish (the output in shard order, so the
+batch stays evenly split); no row and no KV cache crosses shards (tested against one-shard queues run apart).
+
 A row's sample depends only on its prompt and its randomness (its own uniforms and noise key travel with it): with
 one version throughout, its tokens equal the slot engine's and its log-probs agree to float precision (the
 re-prefill computes its KV in one batched forward instead of one decode step per token; tested).
@@ -340,7 +346,7 @@ def partial_schedule(carry_lengths, carry_finished, total_lengths, slots: int, r
     """The schedule `sample_partial` runs (host side, exact), given each pool row's final length (`total_lengths`:
     the carry's S rows, then the R new ones): the carried rows hold slots 0..S-1 (a live one takes its next token
     from its re-prefill), free slots take the new rows in order after each pass, and the step ends once R rows
-    have finished and no row carried in with tokens is live."""
+    have finished and no row carried in with tokens is live. One batch shard (with several: this per shard)."""
     S, R = slots, rows
     total = [int(x) for x in total_lengths]
     length = [int(x) for x in carry_lengths] + [0] * R
