@@ -5,11 +5,13 @@ Step n samples with theta_{n-k} (the window's entry -k) and tags its tokens n - 
 tokens of step n - 1's version, n - k - 1 (clamped at 0), whose r (the staleness split's trainer log-softmax) is
 the window's oldest entry: with partial rollouts the window holds k + 1 versions. The carry (`Carry`, S rows) is a
 field of the train state (`staleness.PartialTrainState`), so a checkpoint holds it and a resumed run carries the
-very rows the uninterrupted one did. Step 0's carry is S priming rows: the first S prompts of its batch again, with
-randomness of their own (`partial.priming_seed_indices`), so that from then on a step takes S rows more than it
-hands on and the tail has rows to fill it.
+very rows the uninterrupted one did. Step 0's carry is S priming rows: each sampler batch shard's first S/shards
+prompts of its batch again, with randomness of their own (`partial.priming_seed_indices`), so that from then on a
+step takes S rows more than it hands on and the tail has rows to fill it.
 
-Runs on one batch shard of the sampler (its schedule is one queue), in one process, colocated (`validate`).
+Each batch shard of the sampler runs its own queue (`partial.sample_partial`'s `shards`): its S/shards carried
+rows (the carry's rows are split like the sampler's batch, in the state and its checkpoints), its R/shards rows
+handed on per step. One process, colocated (`validate`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from jaxtyping import Array, Int
 
 from jopd.config_dataclass import ConfigError
@@ -28,8 +30,8 @@ from jopd.opd.batch import RolloutArrays
 from jopd.opd.resolve import rollout_seed, weight_sync_key
 from jopd.parallel.distributed import host_local_to_global
 from jopd.sampling.config import RowRandomness, row_randomness
-from jopd.sampling.partial import (Carry, empty_carry, priming_carry, priming_row_ids, priming_seed_indices,
-                                  reprefill_width)
+from jopd.sampling.partial import (Carry, empty_carry, priming_carry, priming_row_ids, priming_rows,
+                                  priming_seed_indices, reprefill_width)
 
 OPDStep = Any  # `jopd.opd.step.OPDStep` (which imports this module)
 
@@ -49,9 +51,6 @@ def check_step(opd: OPDStep) -> None:
     """What `rollout.partial` needs of the built step (beside the config's own checks, `validate`)."""
     if jax.process_count() > 1:
         raise ConfigError(f"RunConfig.rollout.partial: one jax process (this run has {jax.process_count()})")
-    if opd.sampler.shards != 1:
-        raise ConfigError(f"RunConfig.rollout.partial: the sampler on one batch shard (mesh.data x fsdp x expert, or "
-                          f"sampling.mesh's, = 1; it has {opd.sampler.shards})")
     if opd.student_cfg.sparse_layers:
         raise ConfigError("RunConfig.rollout.partial: not with a mixture-of-experts student (its routing record)")
 
@@ -67,15 +66,15 @@ def carry_template(opd_cfg, sampler, rows: int) -> Carry:
     return empty_carry(S, opd_cfg.data.max_prompt_len, sampler.sampling, sampler.cfg.vocab_size)
 
 
-def carry_shardings(carry: Carry, mesh) -> Carry:
-    """The carry replicated on the trainer's mesh (small arrays; the sampler on one batch shard reads it whole)."""
-    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), carry)
+def carry_shardings(carry: Carry, sampler_batch: NamedSharding) -> Carry:
+    """The carry's rows split like the sampler's batch (each batch shard holds its own queue's carried rows)."""
+    return jax.tree.map(lambda _: sampler_batch, carry)
 
 
 def _priming(opd: OPDStep, batch: dict[str, np.ndarray], seed: int) -> Carry:
     S, N = slots(opd), opd.sampler.sampling.max_new_tokens
     ids = priming_row_ids(S)
-    take = np.arange(S) % batch["prompt_tokens"].shape[0]
+    take = priming_rows(S, batch["prompt_tokens"].shape[0], opd.sampler.shards)
     rand = row_randomness(seed, priming_seed_indices(ids), N)
     carry = priming_carry(batch["prompt_tokens"][take], batch["prompt_mask"][take].astype(bool), rand, ids,
                           opd.sampler.sampling, opd.student_cfg.vocab_size)

@@ -566,10 +566,11 @@ def build_step(cfg: RunConfig, s_cfg: ModelConfig, t_cfgs: tuple[ModelConfig, ..
                         out_shardings=batch)
     lag = cfg.rollout.staleness
     carry0 = None
-    if cfg.rollout.partial:  # the carried rows: a field of the state, replicated
+    if cfg.rollout.partial:  # the carried rows: a field of the state, split like the sampler's batch
         carry0 = partial_rollout.carry_template(cfg, sampler, rows=cfg.data.batch_size * G)
-        sh = dataclasses.replace(sh, state=stale.with_policies(stale.split_window(sh.state)[0], sh.state.policies,
-                                                               partial_rollout.carry_shardings(carry0, mesh)))
+        sh = dataclasses.replace(sh, state=stale.with_policies(
+            stale.split_window(sh.state)[0], sh.state.policies,
+            partial_rollout.carry_shardings(carry0, sh.sampler_batch)))
     window = stale.window_size(cfg.rollout)
     init_fn = jax.jit(lambda p, rng: _initial_state(p, optimizer, rng, running, window, carry0),
                       in_shardings=(sh.student, sh.state.rng), out_shardings=sh.state)

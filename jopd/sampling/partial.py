@@ -14,6 +14,12 @@ counts: a step takes the carry (S rows) and its R new rows and hands R on, so th
 step's carry is S priming rows the caller supplies (`priming_carry`), else no row would ever be carried and the
 tail would stay.
 
+Batch shards (`shards`, as the slot engine's): each shard runs its own queue, as if alone: its S/shards slots and
+carried rows (the carry's rows h * S/shards .. are shard h's, split over the devices like the batch), its
+R/shards new rows, its own "full" (R/shards of its rows finished, none carried in with tokens live: it then stops
+while the others go on), and it hands on its first R/shards rows to finish (the output in shard order, so the
+batch stays evenly split); no row and no KV cache crosses shards (tested against one-shard queues run apart).
+
 A row's sample depends only on its prompt and its randomness (its own uniforms and noise key travel with it): with
 one version throughout, its tokens equal the slot engine's and its log-probs agree to float precision (the
 re-prefill computes its KV in one batched forward instead of one decode step per token; tested).
@@ -21,6 +27,7 @@ re-prefill computes its KV in one batched forward instead of one decode step per
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import flax.struct
@@ -34,6 +41,7 @@ from jopd.models.config import ModelConfig
 from jopd.sampling import decode
 from jopd.sampling.config import RowRandomness, SampleOutput, SamplingConfig, stop_and_pad_ids
 from jopd.sampling.precision import PrecisionConfig
+from jopd.sampling.slots import local_take
 
 UNFINISHED = 2**30  # the sort key of a row that has not finished (after every finished one)
 
@@ -82,6 +90,20 @@ def empty_carry(slots: int, prompt_len: int, sampling: SamplingConfig, vocab: in
                  version_SxN=jnp.full((S, N), -1, jnp.int32),
                  full_SxNxV=f(S, N, vocab) if sampling.return_full_logprobs else None,
                  topk_SxNxK=i(S, N, sampling.return_topk) if sampling.return_topk else None)
+
+
+def carry_like(sampling: SamplingConfig, leaf) -> Carry:
+    """A `Carry` of `leaf` in every field (None in those `sampling` does not fill): e.g. its shardings."""
+    names = [f.name for f in dataclasses.fields(Carry)]
+    off = {"full_SxNxV": not sampling.return_full_logprobs, "topk_SxNxK": not sampling.return_topk}
+    return Carry(**{n: None if off.get(n) else leaf for n in names})
+
+
+def priming_rows(slots: int, rows: int, shards: int = 1) -> np.ndarray:
+    """The batch rows whose prompts the S priming rows take: per batch shard its first S/shards rows (so each
+    shard's carry starts from its own prompts)."""
+    j = np.arange(slots)
+    return (j // (slots // shards)) * (rows // shards) + j % (slots // shards)
 
 
 def priming_carry(prompt_SxP, prompt_mask_SxP, rand: RowRandomness, row_id_S, sampling: SamplingConfig,
@@ -133,21 +155,28 @@ def sample_partial(
     precision: PrecisionConfig,
     sampling: SamplingConfig,
     reprefill_width: int | None = None,
+    shards: int = 1,
 ) -> PartialOutput:
     """One step: the carry's S rows (in slots 0..S-1, re-prefilled) and then the R new rows in order on the cache's
     S slots, until R rows have finished and no row carried in with tokens is still decoding; `version` tags every
-    token sampled. `reprefill_width`: the response columns the re-prefill runs over (None: all N; the caller's
-    `reprefill_width(carry)` is enough for every live carried row). Pure; jit it with the cache donated."""
+    token sampled. `shards`: each batch shard h runs its own queue (`slots.py`'s): its S/shards slots and carried
+    rows, its R/shards new rows, its own "full" (R/shards of its rows finished; it then stops while others go on);
+    it hands on its first R/shards to finish (the output in shard order) and carries the rest. `reprefill_width`:
+    the response columns the re-prefill runs over (None: all N; the caller's `reprefill_width(carry)` is enough for
+    every live carried row). Pure; jit it with the cache donated."""
     R, P = prompt_RxP.shape
     N = rand.uniforms_BxN.shape[1]
     S, _, L, _ = cache["k"][0].shape
-    if carry.lengths_S.shape[0] != S or carry.prompt_SxP.shape[1] != P or L != P + N or S > R:
+    if (carry.lengths_S.shape[0] != S or carry.prompt_SxP.shape[1] != P or L != P + N or S > R or S % shards
+            or R % shards):
         raise ValueError(f"partial rollouts: a carry of {carry.lengths_S.shape[0]} rows x prompt length "
                          f"{carry.prompt_SxP.shape[1]} for {S} slots of cache length {L} (P + N = {P + N}), "
-                         f"at most {R} rows")
+                         f"at most {R} rows, both a multiple of the {shards} shards")
     if sampling.return_routing:
         raise ValueError("partial rollouts: no routing record (a mixture-of-experts student)")
-    M = S + R  # the pool: the carry's rows, then the new ones
+    Sl, Rl = S // shards, R // shards
+    Ml = Sl + Rl  # a shard's pool: its carried rows, then its new ones
+    M = shards * Ml  # the pool, shard by shard (pool row h * Ml + j: shard h's j-th)
     V = cfg.vocab_size
     params = transformer.unstack_layers(params)
     choice = dict(precision=precision, sampling=sampling)
@@ -155,7 +184,14 @@ def sample_partial(
     version = jnp.asarray(version, jnp.int32)
     mask_RxP = prompt_mask_RxP.astype(bool)
 
-    cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=0)  # noqa: E731
+    def cat(a_S, b_R):
+        """Per shard its carried rows then its new ones: [S, ...] and [R, ...] -> [M, ...] (one shard: a concat)."""
+        a = a_S.reshape(shards, Sl, *a_S.shape[1:])
+        b = b_R.astype(a.dtype).reshape(shards, Rl, *b_R.shape[1:])
+        return jnp.concatenate([a, b], axis=1).reshape(M, *a_S.shape[1:])
+
+    shard_S = jnp.arange(S) // Sl  # each slot's (and carried row's) shard
+    carry_pool_S = shard_S * Ml + jnp.arange(S) % Sl  # the pool row of carry row s (slot s starts with it)
     pool_mask = cat(carry.prompt_mask_SxP.astype(bool), mask_RxP)
     n_prompt_M = jnp.sum(pool_mask, axis=1, dtype=jnp.int32)
     uniforms = cat(carry.uniforms_SxN, rand.uniforms_BxN)
@@ -207,48 +243,56 @@ def sample_partial(
     width = N if reprefill_width is None else reprefill_width
     picked, cache = reprefill(params, carry, cache, cfg=cfg, precision=precision, sampling=sampling, P=P, N=N,
                                width=width)
-    slot_rows = jnp.arange(S)
-    out, ended = record(out, jnp.where(carried_live, slot_rows, M), carry.lengths_S, picked, 0)
-    state = {"cache": cache, "row": slot_rows, "t": carry.lengths_S + 1, "tok": picked.tok_B,
-             "live": carried_live & ~ended, "next": jnp.zeros((), jnp.int32), "out": out,
+    out, ended = record(out, jnp.where(carried_live, carry_pool_S, M), carry.lengths_S, picked, 0)
+    state = {"cache": cache, "row": carry_pool_S, "t": carry.lengths_S + 1, "tok": picked.tok_B,
+             "live": carried_live & ~ended, "next": jnp.zeros((shards,), jnp.int32), "out": out,
              "iterations": jnp.zeros((), jnp.int32)}
 
-    def take_rows(state, take_S, new_S):
-        """Slots in `take` start new row `new` (0..R-1): its prompt KV copied in, token 0 recorded."""
+    def take_rows(state, take_SHxSl, local_SHxSl):
+        """Slots in `take` start their shard's new row `local` (0..R/shards-1): its prompt KV copied in, token 0
+        recorded."""
+        take = take_SHxSl.reshape(S)
+        new = (jnp.arange(shards)[:, None] * Rl + local_SHxSl).reshape(S)  # the global new row
+
         def copy(c_SxKxLxDh, p_RxKxPxDh):
-            return c_SxKxLxDh.at[:, :, :P].set(jnp.where(take_S[:, None, None, None], p_RxKxPxDh[new_S],
-                                                         c_SxKxLxDh[:, :, :P]))
+            return c_SxKxLxDh.at[:, :, :P].set(jnp.where(take[:, None, None, None],
+                                                         local_take(p_RxKxPxDh, local_SHxSl), c_SxKxLxDh[:, :, :P]))
 
         state["cache"] = jax.tree.map(copy, state["cache"], prompt_kv)
-        rows = S + new_S
-        c = decode.Choice(*(None if x is None else x[new_S] for x in first))
-        state["out"], ended = record(state["out"], jnp.where(take_S, rows, M), jnp.zeros((S,), jnp.int32), c,
+        rows = (jnp.arange(shards)[:, None] * Ml + Sl + local_SHxSl).reshape(S)  # their pool rows
+        c = decode.Choice(*(None if x is None else x[new] for x in first))
+        state["out"], ended = record(state["out"], jnp.where(take, rows, M), jnp.zeros((S,), jnp.int32), c,
                                      state["iterations"])
-        state["row"] = jnp.where(take_S, rows, state["row"])
-        state["t"] = jnp.where(take_S, 1, state["t"])
-        state["tok"] = jnp.where(take_S, c.tok_B, state["tok"])
-        state["live"] = jnp.where(take_S, ~ended, state["live"])
+        state["row"] = jnp.where(take, rows, state["row"])
+        state["t"] = jnp.where(take, 1, state["t"])
+        state["tok"] = jnp.where(take, c.tok_B, state["tok"])
+        state["live"] = jnp.where(take, ~ended, state["live"])
         return state
 
-    def refill(state):
-        """Free slots take the next new rows, in order (slot order)."""
-        free = ~state["live"]
-        pending = R - state["next"]
-        rank = jnp.cumsum(free) - 1
-        take = free & (rank < pending)
-        new = jnp.minimum(state["next"] + rank, R - 1)
-        state["next"] = state["next"] + jnp.minimum(jnp.sum(free), pending).astype(jnp.int32)
-        return jax.lax.cond(jnp.any(take), lambda s: take_rows(s, take, new), lambda s: s, state)
+    def refill(state, active_SH):
+        """Each active shard's free slots take its next new rows, in order (slot order)."""
+        free = ~state["live"].reshape(shards, Sl) & active_SH[:, None]
+        pending = Rl - state["next"]
+        rank = jnp.cumsum(free, axis=1) - 1
+        take = free & (rank < pending[:, None])
+        local = jnp.minimum(state["next"][:, None] + rank, Rl - 1)
+        state["next"] = state["next"] + jnp.minimum(jnp.sum(free, axis=1), pending).astype(jnp.int32)
+        return jax.lax.cond(jnp.any(take), lambda s: take_rows(s, take, local), lambda s: s, state)
 
-    state = refill(state)
+    state = refill(state, jnp.ones((shards,), bool))
 
-    def cond(state):
-        work = jnp.any(state["live"]) | (state["next"] < R)
-        full = jnp.sum(state["out"]["finished"]) >= R
-        return work & ~(full & ~jnp.any(state["live"] & must_M[state["row"]]))
+    def active(state):
+        """[shards]: the shards still sampling (rows to serve, and not full or a row carried in with tokens live)."""
+        live = state["live"].reshape(shards, Sl)
+        work = jnp.any(live, axis=1) | (state["next"] < Rl)
+        full = jnp.sum(state["out"]["finished"].reshape(shards, Ml), axis=1) >= Rl
+        must_live = jnp.any(live & must_M[state["row"]].reshape(shards, Sl), axis=1)
+        return work & ~(full & ~must_live)
 
     def body(state):
-        row, t, live = state["row"], state["t"], state["live"]
+        on_SH = active(state)  # a shard that is done stays as it is (its rows and slots), as if it had stopped
+        row, t, on_S = state["row"], state["t"], on_SH[shard_S]
+        live = state["live"] & on_S
         kv_mask = jnp.concatenate([pool_mask[row], jnp.arange(N)[None, :] < t[:, None]], axis=1)
         t_safe = jnp.minimum(t, N - 1)  # a finished slot's t may be N: its pick is discarded
         c, state["cache"] = decode.decode_step(
@@ -256,32 +300,35 @@ def sample_partial(
             uniforms[row, t_safe], keys[row], t_safe, cfg=cfg, **choice)
         state["iterations"] = state["iterations"] + 1
         state["out"], ended = record(state["out"], jnp.where(live, row, M), t_safe, c, state["iterations"])
-        state["live"] = live & ~ended
-        state["t"], state["tok"] = jnp.where(live, t + 1, t), c.tok_B
-        return refill(state)
+        state["live"] = state["live"] & ~(live & ended)
+        state["t"], state["tok"] = jnp.where(live, t + 1, t), jnp.where(on_S, c.tok_B, state["tok"])
+        return refill(state, on_SH)
 
-    state = jax.lax.while_loop(cond, body, state)
+    state = jax.lax.while_loop(lambda s: jnp.any(active(s)), body, state)
     o = state["out"]
 
-    # 3. The first R rows to finish (finishing pass, then pool order) are the batch; the other S are carried.
-    j = jnp.arange(M)
-    order = jnp.argsort(jnp.where(o["finished"], o["finish"] * M + j, UNFINISHED + j), stable=True)
-    out_rows, kept = order[:R], order[R:]
+    # 3. Per shard, its first R/shards rows to finish (finishing pass, then pool order) are its part of the batch;
+    # its other S/shards are carried.
+    j = jnp.arange(Ml)[None, :]
+    fin, finish = o["finished"].reshape(shards, Ml), o["finish"].reshape(shards, Ml)
+    order = jnp.argsort(jnp.where(fin, finish * Ml + j, UNFINISHED + j), axis=1, stable=True)
+    out_rows, kept = order[:, :Rl], order[:, Rl:]
     pool = {"prompt": cat(carry.prompt_SxP, prompt_RxP), "mask": pool_mask, "uniforms": uniforms, "keys": keys,
             "row_id": cat(carry.row_id_S, row_id_R)}
-    at = lambda name, rows: (o | pool)[name][rows]  # noqa: E731
+    at = lambda name, rows: local_take((o | pool)[name], rows)  # noqa: E731
     sample = SampleOutput(tokens_BxN=at("tokens", out_rows), lengths_B=at("lengths", out_rows),
                           logprobs_BxN=at("logp", out_rows), unprocessed_logprobs_BxN=at("ulogp", out_rows),
-                          done_B=at("done", out_rows), full_logprobs_BxNxV=o["full"][out_rows] if "full" in o else None,
-                          topk_ids_BxNxK=o["topk"][out_rows] if "topk" in o else None, cache=state["cache"],
+                          done_B=at("done", out_rows), full_logprobs_BxNxV=at("full", out_rows) if "full" in o else None,
+                          topk_ids_BxNxK=at("topk", out_rows) if "topk" in o else None, cache=state["cache"],
                           decode_iterations=state["iterations"])
     new_carry = Carry(prompt_SxP=at("prompt", kept), prompt_mask_SxP=at("mask", kept), tokens_SxN=at("tokens", kept),
                       logp_SxN=at("logp", kept), ulogp_SxN=at("ulogp", kept), lengths_S=at("lengths", kept),
                       done_S=at("done", kept), finished_S=at("finished", kept), uniforms_SxN=at("uniforms", kept),
                       keys_Sx2=at("keys", kept), row_id_S=at("row_id", kept), version_SxN=at("version", kept),
-                      full_SxNxV=o["full"][kept] if "full" in o else None,
-                      topk_SxNxK=o["topk"][kept] if "topk" in o else None)
-    reprefilled = jnp.sum(jnp.where(carried_live, n_prompt_M[:S] + carry.lengths_S, 0))
+                      full_SxNxV=at("full", kept) if "full" in o else None,
+                      topk_SxNxK=at("topk", kept) if "topk" in o else None)
+    reprefilled = jnp.sum(jnp.where(carried_live, carry.prompt_mask_SxP.sum(axis=1, dtype=jnp.int32) + carry.lengths_S,
+                                    0))
     return PartialOutput(sample, at("prompt", out_rows), at("mask", out_rows), at("version", out_rows),
                          at("row_id", out_rows), new_carry, jnp.sum(o["lengths"] - start_len), reprefilled)
 
@@ -299,7 +346,7 @@ def partial_schedule(carry_lengths, carry_finished, total_lengths, slots: int, r
     """The schedule `sample_partial` runs (host side, exact), given each pool row's final length (`total_lengths`:
     the carry's S rows, then the R new ones): the carried rows hold slots 0..S-1 (a live one takes its next token
     from its re-prefill), free slots take the new rows in order after each pass, and the step ends once R rows
-    have finished and no row carried in with tokens is live."""
+    have finished and no row carried in with tokens is live. One batch shard (with several: this per shard)."""
     S, R = slots, rows
     total = [int(x) for x in total_lengths]
     length = [int(x) for x in carry_lengths] + [0] * R

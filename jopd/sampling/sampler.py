@@ -30,7 +30,7 @@ from jopd.models import transformer
 from jopd.models.config import ModelConfig
 from jopd.sampling.config import RowRandomness, SampleOutput, SamplerShardings, SamplingConfig, row_randomness
 from jopd.sampling.engines import EngineChoice, bind, choose_engine
-from jopd.sampling.partial import sample_partial
+from jopd.sampling.partial import PartialOutput, carry_like, sample_partial
 from jopd.sampling.precision import PrecisionConfig
 
 
@@ -129,14 +129,25 @@ class Sampler:
         return choose_engine(rows, group, self.sampling, self.shards)
 
     def partial_program(self, reprefill_width: int | None = None):
-        """The jitted partial-rollouts step (`partial.sample_partial`, the cache donated) whose re-prefill runs over
-        `reprefill_width` response columns: (params, prompt_RxP, mask_RxP, rand, row_id_R, cache, carry, version)
-        -> `PartialOutput`. Its inputs' layouts are the caller's (`opd.partial_rollout`: one batch shard)."""
+        """The jitted partial-rollouts step (`partial.sample_partial`, one queue per batch shard, the cache donated)
+        whose re-prefill runs over `reprefill_width` response columns: (params, prompt_RxP, mask_RxP, rand,
+        row_id_R, cache, carry, version) -> `PartialOutput`; with shardings, the carry's rows split like the
+        batch's."""
         key = f"partial_{reprefill_width}"
         if key not in self._programs:
             fn = functools.partial(sample_partial, cfg=self.cfg, precision=_program_precision(self.precision),
-                                   sampling=_program_sampling(self.sampling), reprefill_width=reprefill_width)
-            self._programs[key] = jax.jit(fn, donate_argnums=(5,))
+                                   sampling=_program_sampling(self.sampling), reprefill_width=reprefill_width,
+                                   shards=self.shards)
+            if self.shardings is None:
+                self._programs[key] = jax.jit(fn, donate_argnums=(5,))
+            else:
+                b, c = self.shardings.batch, self.shardings.cache_dict
+                one = NamedSharding(b.mesh, PartitionSpec())
+                carry = carry_like(self.sampling, b)
+                sample = SampleOutput(b, b, b, b, b, carry.full_SxNxV, carry.topk_SxNxK, None, c, one)
+                self._programs[key] = jax.jit(
+                    fn, donate_argnums=(5,), in_shardings=(self.shardings.params, b, b, b, b, c, carry, one),
+                    out_shardings=PartialOutput(sample, b, b, b, b, carry, one, one))
         return self._programs[key]
 
     def take_cache(self, slots: int, length: int) -> transformer.KVCache:

@@ -26,7 +26,7 @@ from jopd.sampling.config import RowRandomness, SampleOutput, SamplingConfig, ro
 from jopd.sampling.precision import PrecisionConfig
 
 
-def _local_take(x_SHxAx, idx_SHxB):
+def local_take(x_SHxAx, idx_SHxB):
     """x [shards * A, ...] gathered at shard-local indices [shards, B] -> [shards * B, ...] (no cross-shard
     gather: the leading axis stays split over the batch shards)."""
     shards, b = idx_SHxB.shape
@@ -103,7 +103,7 @@ def sample_slots(
         take = take_SHxSl.reshape(S)
 
         def copy(c_SxKxLxDh, p_UxKxPxDh):
-            new = _local_take(p_UxKxPxDh, prompts_local)
+            new = local_take(p_UxKxPxDh, prompts_local)
             return c_SxKxLxDh.at[:, :, :P].set(jnp.where(take[:, None, None, None], new, c_SxKxLxDh[:, :, :P]))
 
         state["cache"] = jax.tree.map(copy, state["cache"], prompt_kv)
