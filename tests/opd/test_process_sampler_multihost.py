@@ -1,6 +1,7 @@
 """`rollout.placement=process` in a multi-process run: two trainer processes (4 CPU devices each, a localhost
 coordinator), each with a sampler process of its own serving its host rows through its own exchange, sample the very
-tokens of the same two processes' in-place 1-lag run and train to its params."""
+tokens of the same two processes' in-place 1-lag run and train to its params, though process 1's worker is killed
+(SIGKILL) mid-run and restarted by process 1 alone."""
 
 import json
 
@@ -12,7 +13,7 @@ from jopd.opd import placement
 from jopd.run.config import load_config
 from jopd.run.loop import build
 from jopd.run.sampler_process import exchange_dir, one_host
-from tests.helpers.process_sampler_multihost import STEPS
+from tests.helpers.process_sampler_multihost import KILL_PROCESS, KILL_STEP, STEPS
 from tests.helpers.tiny_testbed import tiny_cache, write_tiny
 from tests.parallel.test_mesh_multiprocess import _run_two_processes
 
@@ -40,10 +41,21 @@ def test_a_sampler_process_per_trainer_process_samples_as_the_in_place_multiproc
     for name in params:
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-6, atol=1e-6, err_msg=name)
     infos = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
-    for i, info in enumerate(infos):  # each trainer process had one worker of its own, and its own exchange
-        assert len(info["worker_pids"]) == 1 and info["worker_pids"][0] != info["pid"]
+    for i, info in enumerate(infos):  # each trainer process had workers of its own, and its own exchange, emptied
         assert info["exchange"] == str(tmp_path / "run" / "exchange" / f"p{i}") and info["keys"] == []
-    assert infos[0]["worker_pids"] != infos[1]["worker_pids"]
+        assert info["pid"] not in info["sampled_by"].values()
+    # process 1's worker, killed right after step 1's request was written, was restarted by process 1 (logged with
+    # the killed pid) and the new one answered steps 1 and 2; process 0's one worker sampled every step
+    killer, other = infos[KILL_PROCESS], infos[1 - KILL_PROCESS]
+    assert other["restarts"] == 0 and other["killed"] == [] and other["restart_logs"] == []
+    assert len(set(other["sampled_by"].values())) == 1
+    (killed,) = killer["killed"]
+    assert killer["restarts"] == 1 and len(killer["restart_logs"]) == 1
+    assert killer["restart_logs"][0].startswith(f"step {KILL_STEP}: the sampler process (pid {killed}) exited")
+    by = [killer["sampled_by"][str(t)] for t in range(STEPS)]
+    assert by[:KILL_STEP] == [killed] * KILL_STEP and set(by[KILL_STEP:]) == {by[-1]} and by[-1] != killed
+    assert "from params version 0" in killer["restart_logs"][0]  # step 1 samples with step 0's params (k = 1)
+    assert not set(by) & set(other["sampled_by"].values())
 
 
 def test_one_hosts_share_of_a_multiprocess_config(tmp_path, monkeypatch):
