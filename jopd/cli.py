@@ -42,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as e:  # bad input: one clear line, no traceback
         print(f"jopd {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a file that is missing, unreadable or unwritable, a full disk
+    except OSError as e:  # a file that is missing, unreadable or unwritable, a full disk; a stall (TimeoutError)
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         print(f"jopd {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        if isinstance(e, TimeoutError):  # the other processes of a multi-process run may wait on this one
+            from jopd.parallel.distributed import exit_if_multiprocess
+
+            exit_if_multiprocess(2)
         return 2
 
 

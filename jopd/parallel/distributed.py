@@ -13,6 +13,7 @@ in their metadata server, not in TPU_WORKER_HOSTNAMES, so `tpu_scripts/run.sh` s
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -144,3 +145,17 @@ def gather_to_host(tree):
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def exit_if_multiprocess(code: int) -> None:
+    """In a multi-process run, end this process now with exit status `code` (stdout and stderr flushed); in one
+    process, return. For a process that stops on a hang (`train.stall_timeout_s`) while the others may be blocked
+    in a collective with it: a normal exit runs jax's `jax.distributed.shutdown`, whose barrier waits for every
+    process (`shutdown_timeout_seconds`, 300 s) and then aborts them all. Without it, the others are ended by the
+    coordination service: at once when this is process 0 (the service ends with it), else once this process
+    misses its heartbeats (`heartbeat_timeout_seconds`, 100 s)."""
+    if not jax.distributed.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -22,7 +22,8 @@ A worker that exits (killed, crashed) is seen while the trainer polls: it is res
 requests (in the store: a queue survives it) with the params versions they read, so no step is lost or sampled
 twice (a rollout is read only once its marker is whole; a step with a rollout is not pending). A worker that
 raises writes its one-line error first: that is raised in the trainer, not restarted. With
-`train.stall_timeout_s` a rollout not written in time stops the run naming the sampler process and its pid.
+`train.stall_timeout_s` a rollout not written in time stops the run naming the sampler process and its pid
+(in a multi-process run that process exits at once, `jopd.cli`: the others may be blocked in a collective with it).
 The worker exits when the trainer does (it watches its parent's pid).
 
 A multi-process run (jax.distributed, a trainer process per host): each trainer process starts its own worker,
@@ -36,6 +37,7 @@ maximum over the processes' workers (the in-place sampler's loop runs until ever
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -207,7 +209,12 @@ class ProcessSampler:
         """Stop the worker and delete the exchange's keys."""
         if self.process is not None and self.process.exitcode is None:
             self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):  # a stopped worker (SIGSTOP, a debugger) takes its SIGTERM
+                os.kill(self.pid, signal.SIGCONT)  # once resumed
             self.process.join(timeout=10)
+            if self.process.exitcode is None:  # never left behind (it would outlive a trainer that exits now)
+                self.process.kill()
+                self.process.join(timeout=10)
         self.process = None
         self.exchange.clear()
 

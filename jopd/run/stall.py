@@ -2,7 +2,9 @@
 collective or a lost device blocks `jax.device_get` forever. Before reading a step's results the loop polls them in
 dispatch order (the sampler's rollout, then the update) and, past the timeout, raises naming the side that has not
 finished (with `rollout.placement=disaggregated`, the sampler's own devices or the trainer's; with
-`rollout.placement=process`, the sampler process by its pid: `run.sampler_process`)."""
+`rollout.placement=process`, the sampler process by its pid: `run.sampler_process`). In a multi-process run the
+process that raises it exits at once (`jopd.cli`, `parallel.distributed.exit_if_multiprocess`): the others may be
+blocked in a collective with it, and jax's exit-time shutdown barrier would wait 300 s for them."""
 
 from __future__ import annotations
 
