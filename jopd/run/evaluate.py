@@ -231,7 +231,6 @@ def evaluate_heldout(student_params, teacher_params: tuple[Any, ...], *, s_cfg: 
             break
         prompts = [list(p[m.astype(bool)]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
         out = sampler.generate(student_params, prompts, seed=seed, row_ids=batch["index"])
-        N = out.tokens_BxN.shape[1]
         tokens = np.concatenate([batch["prompt_tokens"], out.tokens_BxN], axis=1)
         resp_mask = out.response_mask_BxN
         attn = np.concatenate([batch["prompt_mask"].astype(bool), resp_mask], axis=1)

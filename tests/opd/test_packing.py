@@ -143,7 +143,7 @@ def test_packed_loss_and_gradient_equal_the_padded_ones(kind):
             arrays = arrays.replace(sample=arrays.sample._replace(full_logprobs_BxNxV=None))
         reference = step.place_reference(student) if step.uses_reference else None
         out[pack] = _loss_and_grad(step, arrays, host, teacher, student, reference)
-    (l0, m0, g0, b0), (l1, m1, g1, b1) = out[False], out[True]
+    (l0, m0, g0, _), (l1, m1, g1, b1) = out[False], out[True]
     assert b1.plan is not None and b1.tokens_BxS.shape[0] < B  # packed: fewer rows than the padded batch
     assert abs(l0) > 1e-4 and l1 == pytest.approx(l0, rel=1e-5, abs=1e-7)
     for k in m0:
