@@ -28,9 +28,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process
         _jopd = tempfile.mkdtemp(prefix="jopd-tests-cache-")  # without its own cache_dir): one per session, not ~
         atexit.register(shutil.rmtree, _jopd, ignore_errors=True)
         os.environ["JOPD_CACHE"] = _jopd
-# every program, however quick to compile: the suite's subprocesses and the other worker then load the many small
-# ones (eager ops, tiny helpers) too (measured: 6-10% off the subprocess-heavy modules vs a 0.05 s floor)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
