@@ -31,8 +31,7 @@ from jopd.config_dataclass import ConfigError
 
 # a sub-box of chips per count (x, y, z), as jax's own multi-process TPU harness lays out one host's chips
 TPU_BOXES = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
-# the variables a side's TPU environment sets (both spellings; the worker inherits the trainer's and overrides all)
-TPU_PORTS = 2  # per side: the mesh controller's and the process's
+TPU_PORTS = 2  # ports per side: the mesh controller's and the process's
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
