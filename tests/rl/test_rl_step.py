@@ -19,6 +19,7 @@ from jopd.run.config import load_config
 from jopd.opd.step import build_step
 from jopd.parallel import mesh as M
 from tests.helpers.tiny_params import numpy_params
+from tests.helpers.xla_test_flags import compiled_for_speed
 
 _ARCH = ["hidden_size=16", "intermediate_size=32", "num_layers=1", "num_heads=2", "num_kv_heads=1", "head_dim=8"]
 RANDOM = ([f"{role}.arch.{a}" for role in ("student", "teacher") for a in _ARCH]
@@ -120,7 +121,7 @@ def test_tiny_grpo_run_raises_the_training_reward(cache):
     it = train_iterator(cfg.data, tok, kind="prompt")
     rewards = []
     for n in range(cfg.train.steps):
-        with jax.set_mesh(step.mesh):
+        with jax.set_mesh(step.mesh), compiled_for_speed():
             state, metrics, rollout = step(state, teacher, next(it), n)
         rewards.append(float(np.mean(jax.device_get(rollout.rewards_B))))
     first, last = np.mean(rewards[:10]), np.mean(rewards[50:])
