@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jopd.models.attention_chunked import chunked_cached
-from jopd.models.attention_mesh import on_each_device
+from jopd.models.attention_mesh import by_platform, on_each_device
 from jopd.models.dtypes import matmul_precision
 
 BLOCKS = (1024, 512, 256, 128)  # slot block: the largest that divides S (whole TPU lanes) and fits the budget
@@ -141,7 +141,7 @@ def decode_cached(q_BxTxHxDh: Float[Array, "B T H Dh"], k_cache: Float[Array, "B
     last_B = jnp.broadcast_to(jnp.asarray(slot, jnp.int32), (B,))
     mask = jnp.ones((B, S), jnp.int32) if kv_mask_BxS is None else jnp.asarray(kv_mask_BxS).astype(jnp.int32)
     q = q_BxTxHxDh.reshape(B, K, H // K, Dh).astype(k_cache.dtype)  # T = 1: query head h = (h // G, h % G)
-    kernel = functools.partial(jax.lax.platform_dependent, tpu=functools.partial(_decode, interpret=False),
+    kernel = functools.partial(by_platform, tpu=functools.partial(_decode, interpret=False),
                                default=functools.partial(_decode, interpret=True))
     out = on_each_device(kernel, (last_B, q, k_cache, v_cache, mask[:, None, :]), B=B, heads=(K,), specs=_specs)
     return out.reshape(B, 1, H, Dh).astype(dtype)

@@ -18,6 +18,26 @@ HEAD_AXIS = "tensor"
 Specs = Callable[[tuple[str, ...] | None, str | None], tuple[tuple, object]]
 
 
+def mesh_platform() -> str | None:
+    """"cpu" or "tpu": the platform of the mesh in context. A program traced under a mesh is lowered for that mesh's
+    devices (the step's stages, the sampler, `jopd aot` on a TPU topology), so the attention seam can pick its
+    platform's branch while tracing instead of tracing every platform's and keeping one at lowering
+    (`lax.platform_dependent`: the train step traced the splash kernel's forward and backward on CPU, ~40% of its
+    equations). None without a mesh, and on GPUs: "gpu" names CUDA and ROCm alike, which only lowering tells apart."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    platform = None if device is None else device.platform
+    return platform if platform in ("cpu", "tpu") else None
+
+
+def by_platform(*args, tpu: Callable, default: Callable):
+    """`lax.platform_dependent(*args, tpu=tpu, default=default)`, with only one branch traced where `mesh_platform`
+    knows the platform."""
+    platform = mesh_platform()
+    if platform is None:
+        return jax.lax.platform_dependent(*args, tpu=tpu, default=default)
+    return (tpu if platform == "tpu" else default)(*args)
+
+
 def per_device_axes(B: int, heads: tuple[int, ...]):
     """(free mesh axes, batch axes or None, head axis or None) under the context mesh, or None without one. The
     batch goes over the batch axes that divide it, in order; every other free axis replicates."""

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jopd.models.attention_decode import decode_cached
-from jopd.models.attention_mesh import on_each_device
+from jopd.models.attention_mesh import by_platform, on_each_device
 from jopd.models.dtypes import matmul_precision
 
 LANES = 128  # the kernel's blocks are whole multiples of the TPU lane width
@@ -111,7 +111,7 @@ def splash_causal(q_BxTxHxDh: Float[Array, "B T H Dh"], k_BxKxTxDh: Float[Array,
         q, k, v = grow(q), grow(k), grow(v)
         seg_BxT = jnp.concatenate([seg_BxT, jnp.broadcast_to(pad_id, (B, Tp - T)).astype(jnp.int32)], axis=1)
     # The one place interpret vs compiled is chosen: by the platform being lowered for, not the host's backend.
-    kernel = functools.partial(jax.lax.platform_dependent, tpu=functools.partial(_splash, interpret=False),
+    kernel = functools.partial(by_platform, tpu=functools.partial(_splash, interpret=False),
                                default=functools.partial(_splash, interpret=True))
     out = on_each_device(kernel, (q, k, v, seg_BxT), B=B, heads=(q.shape[1], k.shape[1]), specs=_specs)
     return out[:, :, :T].transpose(0, 2, 1, 3).astype(dtype)

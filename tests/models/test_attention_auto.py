@@ -82,6 +82,45 @@ def test_lowered_for_a_tpu_auto_is_the_splash_kernel_and_for_cpu_it_is_not():
     assert "tpu_custom_call" not in lowered_text(jax.devices("cpu")[0])
 
 
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra installs it)")
+def test_under_a_mesh_only_its_platforms_branch_is_traced_and_computes_the_same():
+    """Without a mesh in context every platform's branch is traced (the splash kernel's too) and lowering keeps one;
+    under a mesh only the mesh's platform's branch is traced: no kernel under a CPU mesh, the kernel under a TPU
+    topology's, and on CPU the same bits as without a mesh."""
+    from jopd.sizing.topology import topology_devices
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=128)
+    params = transformer.init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 256)), jnp.int32)
+    forward = lambda p, t: transformer.forward(p, t, cfg=cfg)[0]  # noqa: E731
+
+    def traced(mesh):
+        if mesh is None:
+            return _primitives(jax.make_jaxpr(forward)(params, tokens).jaxpr)
+        with jax.set_mesh(mesh):
+            return _primitives(jax.make_jaxpr(forward)(params, tokens).jaxpr)
+
+    cpu = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    tpu = jax.sharding.Mesh(np.array(topology_devices("v5e:2x2")[:1]), ("data",))
+    assert {"platform_index", "pallas_call"} <= traced(None)
+    assert not {"platform_index", "pallas_call"} & traced(cpu)
+    on_tpu = traced(tpu)
+    assert "pallas_call" in on_tpu and "platform_index" not in on_tpu
+    with jax.set_mesh(cpu):
+        meshed = np.asarray(jax.jit(forward)(params, tokens))
+    assert meshed.tobytes() == np.asarray(jax.jit(forward)(params, tokens)).tobytes()
+
+
 def test_a_runs_attention_reaches_the_models_forward_and_a_bad_name_is_one_line():
     cfg = load_config("configs/smoke.yaml", ["student.attention=chunked"])
     assert model_config_of(cfg.student, "student").attention == "chunked"
