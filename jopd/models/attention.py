@@ -19,9 +19,10 @@ picks it. "xla" is plain einsum + softmax over the dense mask.
 `CPU_CHUNKED_FROM_T` tokens (the CPU testbed keeps today's numerics bit for bit) and "chunked" from there on, where
 it is also faster on CPU (benchmarks/long_context.py). The decode call stays "xla" below `CPU_CHUNKED_FROM_S` cache
 slots and "chunked" (tiles past every row's slot skipped) from there on. The platform is the one the program is
-lowered for, never the host's: the mesh in context's while tracing (`attention_mesh.mesh_platform`: a program is
-lowered for its mesh's devices; only that branch is traced), else read at lowering (`lax.platform_dependent`:
-every branch traced, one kept). So `jopd aot --topology v5e:...` on a CPU host compiles what a TPU would run.
+lowered for: known while tracing under a mesh (a program is lowered for its mesh's devices) or where the caller
+says where it runs (`attention_mesh.runs_on`: SFT), and then only that branch is traced; otherwise read at
+lowering (`lax.platform_dependent`: every branch traced, one kept). Never the host's alone: `jopd aot --topology
+v5e:...` on a CPU host compiles what a TPU would run.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jopd.models.attention_mesh import mesh_platform
+from jopd.models.attention_mesh import traced_platform
 from jopd.models.dtypes import matmul_precision
 from jopd.registry import Registry
 
@@ -164,7 +165,7 @@ def _auto(call: str, length: int, run: Callable[[str], jax.Array], operand: jax.
     names = {p: auto_choice(call, length, p) for p in ("tpu", "cuda", "cpu")}
     if len(set(names.values())) == 1:
         return run(names["cpu"])
-    if (platform := mesh_platform()) is not None:  # known while tracing: only its branch is traced
+    if (platform := traced_platform()) is not None:  # known while tracing: only its branch is traced
         return run(names[platform])
     # Only the branch of the platform lowered for is compiled; the others are traced and dropped.
     return jax.lax.platform_dependent(operand, tpu=lambda _: run(names["tpu"]), cuda=lambda _: run(names["cuda"]),

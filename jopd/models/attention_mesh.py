@@ -6,6 +6,8 @@ over `tensor` when it divides every head count, the sequence and slot axes whole
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 
 import jax
@@ -18,21 +20,38 @@ HEAD_AXIS = "tensor"
 Specs = Callable[[tuple[str, ...] | None, str | None], tuple[tuple, object]]
 
 
-def mesh_platform() -> str | None:
-    """"cpu" or "tpu": the platform of the mesh in context. A program traced under a mesh is lowered for that mesh's
-    devices (the step's stages, the sampler, `jopd aot` on a TPU topology), so the attention seam can pick its
-    platform's branch while tracing instead of tracing every platform's and keeping one at lowering
-    (`lax.platform_dependent`: the train step traced the splash kernel's forward and backward on CPU, ~40% of its
-    equations). None without a mesh, and on GPUs: "gpu" names CUDA and ROCm alike, which only lowering tells apart."""
+_RUNS_ON: contextvars.ContextVar[str | None] = contextvars.ContextVar("jopd_attention_runs_on", default=None)
+
+
+@contextlib.contextmanager
+def runs_on(platform: str):
+    """Programs traced in this block without a mesh run on `platform`: for a caller that places nothing on another
+    platform's devices (SFT runs on this host's: `runs_on(jax.default_backend())`). Only around a jit made for the
+    block (SFT's step is made per call): jit's trace cache is not keyed by this context, so a shared jitted function
+    traced here would keep this platform's branch for a later lowering elsewhere."""
+    token = _RUNS_ON.set(platform)
+    try:
+        yield
+    finally:
+        _RUNS_ON.reset(token)
+
+
+def traced_platform() -> str | None:
+    """"cpu" or "tpu": the platform the program being traced is lowered for, where the context says it. A program
+    traced under a mesh is lowered for that mesh's devices (the step's stages, the sampler, `jopd aot` on a TPU
+    topology); without one, `runs_on`'s. The attention seam then traces only that platform's branch instead of
+    every platform's with one kept at lowering (`lax.platform_dependent`: the train step traced the splash kernel's
+    forward and backward on CPU, ~40% of its equations). None otherwise, and on GPUs: "gpu" names CUDA and ROCm
+    alike, which only lowering tells apart."""
     device = jax.sharding.get_abstract_mesh().abstract_device
-    platform = None if device is None else device.platform
+    platform = _RUNS_ON.get() if device is None else device.platform
     return platform if platform in ("cpu", "tpu") else None
 
 
 def by_platform(*args, tpu: Callable, default: Callable):
-    """`lax.platform_dependent(*args, tpu=tpu, default=default)`, with only one branch traced where `mesh_platform`
+    """`lax.platform_dependent(*args, tpu=tpu, default=default)`, with only one branch traced where `traced_platform`
     knows the platform."""
-    platform = mesh_platform()
+    platform = traced_platform()
     if platform is None:
         return jax.lax.platform_dependent(*args, tpu=tpu, default=default)
     return (tpu if platform == "tpu" else default)(*args)

@@ -24,6 +24,7 @@ from jopd.data.pipeline import DataConfig, train_iterator
 from jopd.data import mixture
 from jopd.data.mixture import batch_rows, task_sources
 from jopd.models import io, transformer
+from jopd.models.attention_mesh import runs_on
 from jopd.models.tokenizer_cache import jopd_cache_dir
 from jopd.models.config import ModelConfig
 from jopd.models.dtypes import DTYPES
@@ -55,7 +56,8 @@ def run_sft(model_cfg: ModelConfig, params, data_cfg: DataConfig, tokenizer, war
     pending = None
     for i in bar:
         b = next(it)
-        state, metrics = step(state, {k: b[k] for k in ("tokens", "attn_mask", "loss_mask")})
+        with runs_on(jax.default_backend()):  # on this host's devices: only its attention branch traced
+            state, metrics = step(state, {k: b[k] for k in ("tokens", "attn_mask", "loss_mask")})
         if pending is not None and (i % 10 == 0 or i == warm.steps - 1):
             bar.set_postfix(loss=f"{float(pending['loss']):.3f}")  # previous step's: never stalls dispatch
         pending = metrics

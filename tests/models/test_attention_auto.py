@@ -12,6 +12,7 @@ import pytest
 from jopd.config_dataclass import ConfigError
 from jopd.models import attention, transformer
 from jopd.models.attention import ATTENTION, attention_impl
+from jopd.models.attention_mesh import runs_on
 from jopd.models.config import ModelConfig
 from jopd.run.config import load_config
 from jopd.sizing.arch import model_config_of
@@ -94,8 +95,8 @@ def _primitives(jaxpr) -> set[str]:
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra installs it)")
 def test_under_a_mesh_only_its_platforms_branch_is_traced_and_computes_the_same():
     """Without a mesh in context every platform's branch is traced (the splash kernel's too) and lowering keeps one;
-    under a mesh only the mesh's platform's branch is traced: no kernel under a CPU mesh, the kernel under a TPU
-    topology's, and on CPU the same bits as without a mesh."""
+    under a mesh, or where the caller says where it runs (`runs_on`), only that platform's branch is traced: no
+    kernel on CPU, the kernel under a TPU topology's mesh, and on CPU the same bits as without either."""
     from jopd.sizing.topology import topology_devices
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -104,21 +105,28 @@ def test_under_a_mesh_only_its_platforms_branch_is_traced_and_computes_the_same(
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 256)), jnp.int32)
     forward = lambda p, t: transformer.forward(p, t, cfg=cfg)[0]  # noqa: E731
 
-    def traced(mesh):
+    def traced(mesh):  # a function of its own each time: jit's trace cache is not keyed by `runs_on`
+        fresh = lambda p, t: forward(p, t)  # noqa: E731
         if mesh is None:
-            return _primitives(jax.make_jaxpr(forward)(params, tokens).jaxpr)
+            return _primitives(jax.make_jaxpr(fresh)(params, tokens).jaxpr)
         with jax.set_mesh(mesh):
-            return _primitives(jax.make_jaxpr(forward)(params, tokens).jaxpr)
+            return _primitives(jax.make_jaxpr(fresh)(params, tokens).jaxpr)
 
     cpu = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     tpu = jax.sharding.Mesh(np.array(topology_devices("v5e:2x2")[:1]), ("data",))
     assert {"platform_index", "pallas_call"} <= traced(None)
     assert not {"platform_index", "pallas_call"} & traced(cpu)
-    on_tpu = traced(tpu)
+    with runs_on("cpu"):  # no mesh, the caller says where it runs (SFT)
+        assert not {"platform_index", "pallas_call"} & traced(None)
+        with runs_on("gpu"):  # "gpu" is CUDA or ROCm: left to lowering
+            assert "platform_index" in traced(None)
+        on_tpu = traced(tpu)  # a mesh says more than the caller
     assert "pallas_call" in on_tpu and "platform_index" not in on_tpu
+    plain = np.asarray(jax.jit(forward)(params, tokens)).tobytes()
     with jax.set_mesh(cpu):
-        meshed = np.asarray(jax.jit(forward)(params, tokens))
-    assert meshed.tobytes() == np.asarray(jax.jit(forward)(params, tokens)).tobytes()
+        assert np.asarray(jax.jit(forward)(params, tokens)).tobytes() == plain
+    with runs_on("cpu"):
+        assert np.asarray(jax.jit(lambda p, t: forward(p, t) + 0)(params, tokens)).tobytes() == plain
 
 
 def test_a_runs_attention_reaches_the_models_forward_and_a_bad_name_is_one_line():
