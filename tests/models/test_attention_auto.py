@@ -5,6 +5,7 @@ exactly "chunked" from them on; lowered for a TPU from this CPU host it is the s
 import importlib.util
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def _primitives(jaxpr) -> set[str]:
     names = set()
     for eqn in jaxpr.eqns:
         names.add(eqn.primitive.name)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             names |= _primitives(sub)
     return names
 
