@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -54,3 +55,24 @@ def pytest_collection_modifyitems(config, items):
         return known if known is not None else 60.0 if item.path in slow else 0.0
 
     items[:] = sorted(items, key=lambda item: -seconds(item))  # stable: a module's tests stay in their order
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _warm_starts_compiled_for_speed():
+    """A warm start (SFT) runs one program for tens to hundreds of steps: it compiles with XLA's default
+    optimizations (tests/helpers/xla_test_flags.compiled_for_speed), as it does outside the tests, instead of the
+    suite's fast-compile flags (the 80-step SFT of tests/run/test_loop.py: 9.5 -> 4.2 s on this project's VM).
+    Every SFT in the session runs so, in each xdist worker alike; the models it caches are loaded by the tests'
+    subprocesses, which never train one that an in-process run also trains."""
+    from jopd.run import warm_start
+    from tests.helpers.xla_test_flags import compiled_for_speed
+
+    run_sft = warm_start.run_sft
+
+    def run_sft_compiled_for_speed(*args, **kwargs):
+        with compiled_for_speed():
+            return run_sft(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warm_start, "run_sft", run_sft_compiled_for_speed)
+        yield

@@ -17,6 +17,28 @@ def _scalar(v: Any) -> float | int | str:
     return a.item() if a.size == 1 else float(a.mean())
 
 
+def tensorboard_writer(log_dir: str):
+    """tensorboardX's SummaryWriter on `log_dir`, or None when tensorboardX is not installed.
+
+    tensorboardX imports torch when it can (to take torch tensors as values): ~2 s per process on 2 cores, paid by
+    every `jopd train` where torch is installed. jopd logs Python floats, so unless torch is already loaded, that
+    import is refused (a None in sys.modules makes `import torch` raise ImportError, which tensorboardX handles)
+    for the moment tensorboardX is imported; torch stays importable afterwards."""
+    import sys
+
+    refuse = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if refuse:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    finally:
+        if refuse:
+            del sys.modules["torch"]
+    return SummaryWriter(log_dir)
+
+
 class MetricsWriter:
     """Writes `metrics.jsonl` (+ TensorBoard events when tensorboardX is importable) under `out_dir`.
 
@@ -30,12 +52,8 @@ class MetricsWriter:
         if enabled:
             os.makedirs(out_dir, exist_ok=True)
             self._jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a", buffering=1)
-            if tensorboard:
-                try:
-                    from tensorboardX import SummaryWriter
-                    self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
-                except ImportError:  # TensorBoard is optional; JSONL is the source of truth
-                    self._tb = None
+            if tensorboard:  # TensorBoard is optional; JSONL is the source of truth
+                self._tb = tensorboard_writer(os.path.join(out_dir, "tb"))
 
     def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         row = {f"{prefix}{k}": _scalar(v) for k, v in metrics.items()}
@@ -67,9 +85,10 @@ def plot_curves(jsonl_path: str, png_path: str, keys: list[str], title: str = ""
     import matplotlib.pyplot as plt
 
     rows = read_jsonl(jsonl_path)
-    keys = [k for k in keys if any(k in r for r in rows)]
-    if not keys:
+    logged = [k for k in keys if any(k in r for r in rows)]
+    if not logged:
         raise ValueError(f"{jsonl_path}: none of the metrics {keys} were logged")
+    keys = logged
     cols = min(4, len(keys))
     rows_n = -(-len(keys) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4 * cols, 3.2 * rows_n), squeeze=False)
