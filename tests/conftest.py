@@ -61,7 +61,8 @@ def pytest_collection_modifyitems(config, items):
 def _warm_starts_compiled_for_speed():
     """A warm start (SFT) runs one program for tens to hundreds of steps: it compiles with XLA's default
     optimizations (tests/helpers/xla_test_flags.compiled_for_speed), as it does outside the tests, instead of the
-    suite's fast-compile flags (the 80-step SFT of tests/run/test_loop.py: 9.5 -> 4.2 s on this project's VM).
+    suite's fast-compile flags, which cost more in running so many steps than they save in compiling (measured:
+    docs/performance.md, "The test suite's time").
     Every SFT in the session runs so, in each xdist worker alike; the models it caches are loaded by the tests'
     subprocesses, which never train one that an in-process run also trains."""
     from jopd.run import warm_start

@@ -20,8 +20,8 @@ def _scalar(v: Any) -> float | int | str:
 def tensorboard_writer(log_dir: str):
     """tensorboardX's SummaryWriter on `log_dir`, or None when tensorboardX is not installed.
 
-    tensorboardX imports torch when it can (to take torch tensors as values): ~2 s per process on 2 cores, paid by
-    every `jopd train` where torch is installed. jopd logs Python floats, so unless torch is already loaded, that
+    tensorboardX imports torch when it can (to take torch tensors as values), seconds of every `jopd train`'s start
+    where torch is installed. jopd logs Python floats, so unless torch is already loaded, that
     import is refused (a None in sys.modules makes `import torch` raise ImportError, which tensorboardX handles)
     for the moment tensorboardX is imported; torch stays importable afterwards."""
     import sys
